@@ -1,0 +1,77 @@
+"""Synthetic inputs for benchmarks and tests: a word-level tokenizer whose word `t<i>` is
+token i (so a prompt of N words is exactly N tokens), and random PEFT LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_word_tokenizer(
+    out_dir: str | Path, vocab_size: int, bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> None:
+    """Write tokenizer.json + tokenizer_config.json: word `t<i>` <-> id i."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    special = {}
+    if bos_token_id is not None:
+        special["bos_token"] = f"t{bos_token_id}"
+    if eos_token_id is not None:
+        special["eos_token"] = f"t{eos_token_id}"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    fast.save_pretrained(str(out_dir))
+
+
+def word_prompt(token_ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in token_ids)
+
+
+def write_random_adapter(
+    out_dir: str | Path,
+    projections: dict[str, tuple[int, int]],
+    rank: int,
+    alpha: float | None = None,
+    targets: tuple[str, ...] = LINEAR_TARGETS,
+    use_rslora: bool = False,
+    b_std: float = 1e-2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a PEFT LoRA adapter with random A and B for every projection whose name is
+    in `targets`. projections: module path -> (in_features, out_features)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (in_f, out_f) in sorted(projections.items()):
+        if module.rsplit(".", 1)[-1] not in targets:
+            continue
+        prefix = f"base_model.model.{module}"
+        a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
+        b = torch.randn(out_f, rank, generator=gen) * b_std
+        tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha if alpha is not None else 2 * rank,
+        "target_modules": sorted(targets),
+        "use_rslora": use_rslora,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        "task_type": "CAUSAL_LM",
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out

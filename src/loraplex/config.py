@@ -1,0 +1,188 @@
+"""Frozen configuration, translated once from Hugging Face configs and user arguments.
+
+Everything downstream reads these dataclasses, never a Hugging Face config or a raw
+keyword argument. Validation happens here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.errors import UnsupportedModel
+
+# Hugging Face architecture name -> per-architecture facts the generic decoder needs.
+# qkv_bias / o_bias: None means "read config.attention_bias".
+_DENSE_ARCHS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False),
+    "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False),
+    "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(_DENSE_ARCHS)
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    # Hugging Face's rope_parameters (rope_type plus its scaling fields).
+    rope_parameters: dict[str, Any]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    # Per layer: "full_attention" or "sliding_attention".
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
+    initializer_range: float
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of `layer` in tokens (keys with pos > q_pos - window), or None."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelConfig:
+        """Translate a transformers PretrainedConfig (transformers >= 5)."""
+        archs = getattr(hf, "architectures", None) or []
+        arch = next((a for a in archs if a in _DENSE_ARCHS), None)
+        if arch is None:
+            raise UnsupportedModel(
+                f"architecture {archs or hf.model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        facts = _DENSE_ARCHS[arch]
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModel(f"{arch}: hidden_act {act!r} is not supported (silu only)")
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in _ROPE_TYPES:
+            raise UnsupportedModel(f"{arch}: rope_type {rope_type!r} is not supported")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModel(f"{arch}: partial rotary embeddings are not supported")
+        n_layers = hf.num_hidden_layers
+        window = getattr(hf, "sliding_window", None)
+        layer_types = getattr(hf, "layer_types", None)
+        if layer_types is None:
+            kind = "sliding_attention" if window is not None else "full_attention"
+            layer_types = [kind] * n_layers
+        if "sliding_attention" not in layer_types:
+            window = None
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
+        return cls(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=n_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+            rope_parameters=rope,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=attention_bias if facts["qkv_bias"] is None else facts["qkv_bias"],
+            o_bias=attention_bias if facts["o_bias"] is None else facts["o_bias"],
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=facts["qk_norm"],
+            layer_types=tuple(layer_types),
+            sliding_window=window,
+            dtype=str(dtype).removeprefix("torch."),
+            initializer_range=float(getattr(hf, "initializer_range", 0.02)),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Fraction of GPU memory loraplex may use (weights + activations + KV cache).
+    gpu_memory_utilization: float = 0.9
+    # Exact number of KV blocks; overrides the memory-based sizing (tests, debugging).
+    num_gpu_blocks_override: int | None = None
+    # KV cache budget on CPU, where there is no memory to profile.
+    cpu_kv_cache_bytes: int = 4 << 30
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    # GPU slots: adapters that can be in one batch at once.
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    # Adapters kept loaded in host memory (None: 4 x max_loras).
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        if self.max_loras < 0 or self.max_lora_rank <= 0:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank > 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_loras > 0
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else 4 * max(1, self.max_loras)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len must be > 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    dtype: str  # resolved torch dtype name the model runs in
+    device: str
+    seed: int
+    load_format: str  # "auto" (safetensors) or "dummy" (random weights)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return math.ceil(self.scheduler.max_model_len / self.cache.block_size)

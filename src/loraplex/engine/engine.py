@@ -1,0 +1,184 @@
+"""The engine loop: plan = scheduler.schedule(); result = runner.run(plan); update.
+
+The engine admits requests (validating prompts and adapters, so a bad request fails
+alone, before it touches any shared state), turns sampled tokens into text, applies stop
+strings and produces RequestOutputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplex.adapters.slot_table import SlotTable
+from loraplex.adapters.store import AdapterStore
+from loraplex.config import EngineConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from loraplex.engine.request import Request
+from loraplex.engine.scheduler import Scheduler
+from loraplex.errors import InvalidRequest, LoRADisabled, PromptTooLong
+from loraplex.runner.model_runner import ModelRunner
+from loraplex.types import (
+    CompletionOutput,
+    Logprob,
+    LoRARequest,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer, max_logprobs: int = 20):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        self.runner = ModelRunner(config)
+        self.adapters = None
+        if config.lora.enabled:
+            shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
+            self.adapters = AdapterStore(shapes, config.lora.max_lora_rank, config.lora.host_capacity)
+            self.runner.adapters = self.adapters
+        self.scheduler = Scheduler(
+            config.scheduler,
+            BlockManager(self.runner.num_blocks, config.cache.block_size),
+            SlotTable(config.lora.max_loras),
+        )
+        eos = set(config.model.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.runner.eos_token_ids = self.eos_token_ids
+        self._live: dict[str, _Live] = {}
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        prompt: str | None = None,
+    ) -> Request:
+        """Queue a request. Raises InvalidRequest / AdapterError without side effects."""
+        sampling = sampling or SamplingParams()
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids, sampling)
+        if lora_request is not None:
+            if self.adapters is None:
+                raise LoRADisabled(lora_request.lora_name, "engine started with max_loras=0")
+            self.adapters.acquire(lora_request)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            lora_request=lora_request,
+            prompt=prompt,
+            eos_token_ids=self.eos_token_ids,
+        )
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sampling.skip_special_tokens)
+        self._live[request_id] = _Live(req, detok)
+        self.scheduler.add(req)
+        return req
+
+    def _check_prompt(self, ids: list[int], sampling: SamplingParams) -> None:
+        max_len = self.config.scheduler.max_model_len
+        vocab = self.config.model.vocab_size
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) > max_len:
+            raise PromptTooLong(f"prompt has {len(ids)} tokens, max_model_len is {max_len}")
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(sampling, name)
+            if n is not None and n > self.max_logprobs:
+                raise InvalidRequest(f"{name}={n} exceeds max_logprobs={self.max_logprobs}")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        live = self._live.get(request_id)
+        if live is None:
+            return None
+        self.scheduler.finish(live.req, "abort")
+        return self._output(live.req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return an output for every request that progressed or ended."""
+        plan = self.scheduler.schedule()
+        result = self.runner.run(plan)
+        touched = self.scheduler.update(plan, result)
+        outputs = []
+        for req in touched:
+            live = self._live[req.request_id]
+            self._decode_logprobs(req.prompt_logprobs[live.prompt_logprobs_decoded :])
+            live.prompt_logprobs_decoded = len(req.prompt_logprobs)
+            new_tokens = req.output_token_ids[live.detok.num_tokens :]
+            self._decode_logprobs(req.logprobs[len(req.logprobs) - len(new_tokens) :])
+            for token in new_tokens:
+                self._add_text(req, live.detok.step(token))
+            outputs.append(self._output(req))
+        return outputs
+
+    def _add_text(self, req: Request, new_text: str) -> None:
+        ended_by_token = req.finished and req.finish_reason == "stop"
+        if ended_by_token and not req.sampling.include_stop_str_in_output:
+            return  # as vLLM: the stop token's own text is left out
+        req.output_text += new_text
+        sp = req.sampling
+        hit = find_stop_string(req.output_text, len(new_text), sp.stop, sp.include_stop_str_in_output)
+        if hit is not None:
+            stop, keep = hit
+            req.output_text = req.output_text[:keep]
+            if req.finished:  # ended by length on the same token: the stop string wins
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
+
+    def _decode_logprobs(self, positions: list[PositionLogprobs]) -> None:
+        for pos in positions:
+            for tid, lp in pos.items():
+                if lp.decoded_token is None:
+                    pos[tid] = Logprob(lp.logprob, lp.rank, self.tokenizer.decode([tid]))
+
+    def _output(self, req: Request) -> RequestOutput:
+        if req.finished:
+            self._live.pop(req.request_id, None)
+            if req.adapter_key is not None:
+                self.adapters.release(req.adapter_key)
+        sp = req.sampling
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=[None, *req.prompt_logprobs] if sp.prompt_logprobs is not None else None,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=req.output_text,
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=req.cumulative_logprob if sp.logprobs is not None else None,
+                    logprobs=list(req.logprobs) if sp.logprobs is not None else None,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                )
+            ],
+            finished=req.finished,
+            lora_request=req.lora_request,
+            metrics=req.metrics,
+        )
+
+
+@dataclass
+class _Live:
+    """Engine-side state of a request that has not been returned finished yet."""
+
+    req: Request
+    detok: IncrementalDetokenizer
+    prompt_logprobs_decoded: int = 0

@@ -1,0 +1,80 @@
+"""A request's state inside the engine, from arrival to its last token."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from loraplex.types import (
+    LoRARequest,
+    PositionLogprobs,
+    RequestMetrics,
+    SamplingParams,
+)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    lora_request: LoRARequest | None = None
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose keys and values are in the KV cache (prompt and output alike).
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # while running with an adapter: its GPU slot
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    output_text: str = ""
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # prompt_logprobs[i] scores prompt token i + 1; filled chunk by chunk.
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def adapter_key(self) -> str | None:
+        return self.lora_request.key if self.lora_request else None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output, without copying both."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )

@@ -1,0 +1,191 @@
+"""Continuous batching under a token budget. Pure Python: no tensors, no model.
+
+Each step spends `max_num_batched_tokens` over requests, oldest first: running requests
+take their next token (decode) or their next prefill chunk, then waiting requests are
+admitted first come, first served while pages, sequence slots and adapter slots last.
+There are no phases: a request only has `num_computed_tokens` of `num_tokens`, and
+chunked prefill falls out of the budget. When pages run out, the newest running request
+is preempted: its pages are freed and it is recomputed from scratch later (its output
+tokens so far become part of the prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from loraplex.adapters.slot_table import SlotTable
+from loraplex.config import SchedulerConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable):
+        self.config = config
+        self.blocks = blocks
+        self.slots = slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+
+    # -- queue -------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request (stop, length, abort): free its pages and adapter slot."""
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.metrics.finished_time = time.monotonic()
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    # -- planning ----------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        plan = StepPlan(chunks=[], finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        now = time.monotonic()
+
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                self.blocks.grow(req.block_ids, req.num_computed_tokens + n)
+                plan.chunks.append(self._chunk(req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # Admitting while preempting would only thrash pages.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            key = req.adapter_key
+            if key is not None and not self.slots.can_acquire(key):
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.blocks.can_grow(req.block_ids, n):
+                break
+            self.waiting.popleft()
+            if key is not None:
+                req.lora_slot, must_load = self.slots.acquire(key)
+                if must_load:
+                    plan.lora_loads[req.lora_slot] = key
+            self.blocks.grow(req.block_ids, n)
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.running.append(req)
+            plan.chunks.append(self._chunk(req, n))
+            budget -= n
+        return plan
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        end = start + n
+        task = None
+        if req.sampling.prompt_logprobs is not None:
+            # Row at position p scores prompt token p + 1; skip rows already scored
+            # before a preemption.
+            a = max(start, len(req.prompt_logprobs))
+            b = min(end, req.num_prompt_tokens - 1)
+            if a < b:
+                task = PromptLogprobsTask(
+                    first_row=a - start,
+                    target_ids=req.prompt_token_ids[a + 1 : b + 1],
+                    num_top=req.sampling.prompt_logprobs,
+                )
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=req.token_ids_between(start, end),
+            start_pos=start,
+            block_ids=list(req.block_ids),
+            lora_slot=req.lora_slot,
+            sample=end == req.num_tokens,
+            sampling=req.sampling,
+            num_output_tokens=len(req.output_token_ids),
+            prompt_logprobs=task,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.block_ids)
+        if req.lora_slot >= 0:
+            self.slots.release(req.lora_slot)
+            req.lora_slot = -1
+
+    # -- results -----------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply a step's results; returns the requests that gained tokens or finished."""
+        touched = []
+        now = time.monotonic()
+        max_len = self.config.max_model_len
+        for chunk, token, logprobs, prompt_lps in zip(
+            plan.chunks, result.sampled_token_ids, result.logprobs, result.prompt_logprobs
+        ):
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted after the plan was made
+            req.num_computed_tokens += chunk.num_tokens
+            if prompt_lps:
+                req.prompt_logprobs.extend(prompt_lps)
+            if token is None:
+                if prompt_lps:
+                    touched.append(req)
+                continue
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                req.logprobs.append(logprobs)
+                req.cumulative_logprob += logprobs[token].logprob
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            req.metrics.last_token_time = now
+            touched.append(req)
+            sp = req.sampling
+            n_out = len(req.output_token_ids)
+            if n_out >= sp.min_tokens and not sp.ignore_eos and token in req.eos_token_ids:
+                self.finish(req, "stop")
+            elif n_out >= sp.min_tokens and token in sp.stop_token_ids:
+                self.finish(req, "stop", token)
+            elif (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+                req.num_tokens >= max_len
+            ):
+                self.finish(req, "length")
+        return touched

@@ -1,0 +1,187 @@
+"""The offline API, shaped like vLLM's `LLM` so its users switch by changing an import."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer
+
+from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.engine import LLMEngine
+from loraplex.errors import InvalidRequest
+from loraplex.types import LoRARequest, RequestOutput, SamplingParams
+
+_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+}
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Generate from a base model and many LoRA adapters in one batch.
+
+    Arguments mirror vLLM's engine arguments. dtype="auto" takes the checkpoint's dtype
+    on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
+    the model's max_position_embeddings.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        seed: int = 0,
+        load_format: str = "auto",
+        enable_lora: bool = True,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        max_logprobs: int = 20,
+    ):
+        if load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        hf_config = AutoConfig.from_pretrained(model)
+        model_cfg = ModelConfig.from_hf(hf_config)
+        model_cfg = _with_generation_eos(model_cfg, model)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        max_model_len = max_model_len or model_cfg.max_position_embeddings
+        max_num_batched_tokens = max_num_batched_tokens or max(8192, max_num_seqs)
+        self.config = EngineConfig(
+            model_path=str(model),
+            model=model_cfg,
+            dtype=_resolve_dtype(dtype, model_cfg.dtype, device),
+            device=device,
+            seed=seed,
+            load_format="dummy" if load_format == "dummy" else "auto",
+            cache=CacheConfig(
+                block_size=block_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+            lora=LoRAConfig(
+                max_loras=max_loras if enable_lora else 0,
+                max_lora_rank=max_lora_rank,
+                max_cpu_loras=max_cpu_loras,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
+        sampling_params and lora_request are one for all prompts or a list parallel to
+        them; a None lora_request means the base model. Invalid prompts or adapters
+        raise before any prompt is queued.
+        """
+        prompts = _as_prompt_list(prompts)
+        n = len(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = _broadcast(lora_request, n, "lora_request")
+
+        queued = []
+        try:
+            for prompt, sp, lora in zip(prompts, params, loras):
+                text, ids = self._tokenize(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, ids, sp, lora, prompt=text)
+                queued.append(request_id)
+        except Exception:
+            for request_id in queued:
+                self.engine.abort_request(request_id)
+            raise
+
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=n, desc="Generating", unit="req", disable=not use_tqdm, leave=False)
+        while len(finished) < n:
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[request_id] for request_id in queued]
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise InvalidRequest("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        return None, list(prompt)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value, n: int, name: str) -> list:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise InvalidRequest(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def _resolve_dtype(dtype: str | torch.dtype, checkpoint: str, device: str) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        if device.startswith("cpu"):
+            return "float32"
+        dtype = checkpoint if checkpoint in _DTYPES else "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _with_generation_eos(cfg: ModelConfig, model_dir: str) -> ModelConfig:
+    """generation_config.json may list more end-of-sequence tokens (Llama 3 Instruct)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return cfg
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return cfg
+    extra = eos if isinstance(eos, list) else [eos]
+    return replace(cfg, eos_token_ids=tuple(sorted({*cfg.eos_token_ids, *extra})))

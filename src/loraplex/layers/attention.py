@@ -1,0 +1,30 @@
+"""Attention over the paged KV cache: store this step's keys/values, then attend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex import ops
+from loraplex.layers.context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        # Bound by the model runner: [num_blocks, block_size, num_kv_heads, head_dim].
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        attn = get_forward_context().attn
+        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        return ops.paged_attention(
+            q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window
+        )

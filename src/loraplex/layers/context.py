@@ -1,0 +1,36 @@
+"""The current step's batch metadata, set by the model runner around each forward.
+
+Layers read it here instead of threading it through every model's forward signature,
+so architecture files stay free of batching and adapter details.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from loraplex.ops.metadata import AttentionBatch, LoRABatch
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionBatch
+    lora: LoRABatch | None  # None: no token of this step uses an adapter
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    assert _current is not None, "model forward outside forward_context()"
+    return _current

@@ -1,0 +1,49 @@
+"""Linear layers that add each token's own LoRA delta to the base output.
+
+A `LoRALinear` fuses several projections that read the same input (q/k/v, gate/up) into
+one matmul with output slices; each slice keeps its Hugging Face / PEFT module name, so
+checkpoints and adapters address slices by those names. Adapter weights are not owned
+here: the adapter slot buffers (adapters/slots.py) attach stacked views.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplex import ops
+from loraplex.layers.context import get_forward_context
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        slice_names: list[str],
+        bias: bool = False,
+    ):
+        super().__init__()
+        assert len(output_sizes) == len(slice_names), (output_sizes, slice_names)
+        self.in_features = in_features
+        self.output_sizes = tuple(output_sizes)
+        self.slice_names = tuple(slice_names)
+        self.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), False)
+        self.bias = nn.Parameter(torch.empty(sum(output_sizes)), False) if bias else None
+        # Attached by LoRASlotBuffers: A [S, max_loras, R, in], B [max_loras, out, R].
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+
+    def slice_rows(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_a is not None:
+            lora = get_forward_context().lora
+            if lora is not None and lora.active:
+                buf = ops.lora_shrink(x, self.lora_a, lora)
+                ops.lora_expand(buf, self.lora_b, y, self.output_sizes, lora)
+        return y

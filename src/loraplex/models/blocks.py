@@ -1,0 +1,78 @@
+"""Building blocks of decoder-only transformers, shared by every architecture.
+
+Module names follow Hugging Face checkpoints (self_attn, mlp, input_layernorm, ...), so
+weight and adapter names map onto them with no per-model tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex import ops
+from loraplex.config import ModelConfig
+from loraplex.layers.attention import PagedAttention
+from loraplex.layers.linear import LoRALinear
+from loraplex.layers.norm import RMSNorm
+from loraplex.layers.rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = LoRALinear(
+            cfg.hidden_size,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            ["q_proj", "k_proj", "v_proj"],
+            bias=cfg.qkv_bias,
+        )
+        self.o_proj = LoRALinear(cfg.q_size, [cfg.hidden_size], ["o_proj"], bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector before rotary
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
+            cfg.layer_window(layer),
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = LoRALinear(
+            cfg.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=cfg.mlp_bias
+        )
+        self.down_proj = LoRALinear(size, [cfg.hidden_size], ["down_proj"], bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,24 @@
+"""Hugging Face architecture name -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from loraplex.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from loraplex.errors import UnsupportedModel
+from loraplex.models.dense import DenseCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": DenseCausalLM,
+    "MistralForCausalLM": DenseCausalLM,
+    "Qwen2ForCausalLM": DenseCausalLM,
+    "Qwen3ForCausalLM": DenseCausalLM,
+}
+assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
+
+
+def build_model(cfg: ModelConfig, max_positions: int) -> nn.Module:
+    cls = _MODELS.get(cfg.architecture)
+    if cls is None:
+        raise UnsupportedModel(f"no model class for {cfg.architecture}; known: {', '.join(_MODELS)}")
+    return cls(cfg, max_positions)

@@ -1,0 +1,113 @@
+"""Weights in and out of a model: Hugging Face safetensors, and random dummy weights.
+
+Checkpoint names are Hugging Face's. Projections fused in loraplex (q/k/v into qkv_proj,
+gate/up into gate_up_proj) are found through `projection_index`, which maps each
+original projection's module path to its fused layer and output slice; the same index
+tells the adapter loader where each PEFT module's delta goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from loraplex.errors import ModelLoadError
+from loraplex.layers.linear import LoRALinear
+
+# Checkpoint tensors that carry no weights (recomputed buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """Where an original projection (e.g. model.layers.3.self_attn.k_proj) lives."""
+
+    layer_path: str  # the fused LoRALinear, e.g. model.layers.3.self_attn.qkv_proj
+    layer: LoRALinear
+    slice: int  # output slice inside the fused layer
+
+    @property
+    def in_features(self) -> int:
+        return self.layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.layer.output_sizes[self.slice]
+
+
+def projection_index(model: nn.Module) -> dict[str, Projection]:
+    index = {}
+    for path, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            parent = path.rpartition(".")[0]
+            for i, name in enumerate(module.slice_names):
+                index[f"{parent}.{name}" if parent else name] = Projection(path, module, i)
+    return index
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not "
+            "loaded; use load_format='dummy' for random weights)"
+        )
+    return files
+
+
+def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool) -> None:
+    """Copy every checkpoint tensor into `model`; fail on missing or unexpected names."""
+    index = projection_index(model)
+    params = dict(model.named_parameters())
+    expected = {f"{p.layer_path}.weight#{p.slice}" for p in index.values()}
+    expected |= {
+        f"{p.layer_path}.bias#{p.slice}" for p in index.values() if p.layer.bias is not None
+    }
+    fused = {f"{p.layer_path}.{n}" for p in index.values() for n in ("weight", "bias")}
+    expected |= {n for n in params if n not in fused}
+    loaded: set[str] = set()
+
+    files = safetensors_files(model_dir)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    names = [(h, n) for h in handles for n in h.keys()]
+    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
+        module_path, _, kind = name.rpartition(".")
+        if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
+            continue
+        tensor = handle.get_tensor(name)
+        if module_path in index:
+            proj = index[module_path]
+            dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
+            key = f"{proj.layer_path}.{kind}#{proj.slice}"
+        elif name in params:
+            dest, key = params[name].data, name
+        else:
+            raise ModelLoadError(f"unexpected tensor {name!r} in {model_dir}")
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(key)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def init_dummy(model: nn.Module, std: float, seed: int) -> None:
+    """Random weights at trained scale: matrices N(0, std), norms 1, biases 0."""
+    gen = None
+    for name, p in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if p.dim() >= 2:
+            p.data.normal_(0.0, std, generator=gen)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.fill_(1.0)

@@ -1,0 +1,124 @@
+"""The one place kernels are chosen.
+
+Every op below is the single dispatch point for its computation. Each backend (a module
+exporting functions of the same names and signatures) implements all of them:
+`reference` is plain torch, runs anywhere and is the oracle of every kernel.
+Layers call `loraplex.ops.<op>`; nothing else imports a backend directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from loraplex.ops.metadata import AttentionBatch, LoRABatch
+
+_BACKENDS = {"torch": "loraplex.ops.reference"}
+_impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
+
+
+def use_backend(name: str) -> None:
+    """Route every op to backend `name`."""
+    global _impl
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown ops backend {name!r}; known: {', '.join(_BACKENDS)}")
+    _impl = importlib.import_module(_BACKENDS[name])
+
+
+def backend_name() -> str:
+    return next(k for k, v in _BACKENDS.items() if v == _impl.__name__)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """Semantics: out[s, t, :r] = x[t] @ lora_a[s, slot[t], :r].T for tokens t with an adapter.
+
+    x [T, in]; lora_a [S, max_loras, R, in] (S output slices, e.g. q/k/v); returns
+    out [S, T, R] float32. Rows of tokens without an adapter are left unspecified.
+    """
+    return _impl.lora_shrink(x, lora_a, batch)
+
+
+def lora_expand(
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    y: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    batch: LoRABatch,
+) -> None:
+    """Semantics: y[t, o_s:o_s+n_s] += buf[s, t, :r] @ lora_b[slot[t], o_s:o_s+n_s, :r].T.
+
+    In place, for tokens t with an adapter. buf [S, T, R] from lora_shrink; lora_b
+    [max_loras, sum(n_s), R] with the adapter's scaling folded in; y [T, sum(n_s)];
+    slice s covers columns [o_s, o_s + n_s), n_s = slice_sizes[s].
+    """
+    _impl.lora_expand(buf, lora_b, y, slice_sizes, batch)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: k_cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t] (and v likewise).
+
+    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D].
+    """
+    _impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Semantics: out[t] = softmax(scale * q[t] @ K_b.T + mask) @ V_b for t in seq b.
+
+    q [T, Hq, D] (Hq a multiple of Hkv: grouped-query attention); K_b, V_b are seq b's
+    first seq_lens[b] cached keys/values, read through its block table; the new tokens
+    are the last ones of the context, causal; with a sliding window, key position k is
+    visible to query position p iff p - window < k <= p. Returns [T, Hq, D].
+    """
+    return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: weight * (x / sqrt(mean(x^2, -1) + eps)), the norm in float32."""
+    return _impl.rms_norm(x, weight, eps)
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: x -> x * cos(p f) + rotate_half(x) * sin(p f) for q and k (NeoX style).
+
+    q [T, Hq, D], k [T, Hkv, D], positions [T]; cos_sin [max_pos, D] = cat(cos, sin) of
+    position x inverse frequency, float32.
+    """
+    return _impl.rotary_embedding(q, k, positions, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: silu(x[:, :I]) * x[:, I:] for x [T, 2I]."""
+    return _impl.silu_and_mul(x)
+
+
+__all__ = [
+    "AttentionBatch",
+    "LoRABatch",
+    "backend_name",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "use_backend",
+    "write_kv_cache",
+]

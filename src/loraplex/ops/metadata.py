@@ -1,0 +1,52 @@
+"""Per-step batch descriptions that ops consume; the model runner builds them.
+
+Tokens of a step are flat, `T` of them, sequence after sequence. Device tensors are views
+of the runner's preallocated buffers (so a decode step can be replayed from a CUDA
+graph); `*_cpu` fields are host copies for the reference ops, which loop in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # [T] int64: KV slot of each token (page * block_size + offset)
+    query_start_loc: torch.Tensor  # [B + 1] int32: seq b owns tokens [qsl[b], qsl[b + 1])
+    seq_lens: torch.Tensor  # [B] int32: seq b's context after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: seq b's KV pages, in order
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class LoRAGroup:
+    slot: int  # adapter slot shared by the group's tokens
+    start: int  # the group's tokens are sorted_token_ids[start:end]
+    end: int
+    rank: int  # the adapter's rank: columns >= rank of its A/B slot are zero
+
+
+@dataclass
+class LoRABatch:
+    """Tokens grouped by adapter slot; tokens without an adapter belong to no group."""
+
+    token_slot: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
+    sorted_token_ids: torch.Tensor  # [T] int64: token indices ordered by slot (groups first)
+    group_slots: torch.Tensor  # [max_loras] int32: slot of group g, -1 past the last group
+    group_starts: torch.Tensor  # [max_loras + 1] int32: group g is sorted ids [gs[g], gs[g+1])
+    group_ranks: torch.Tensor  # [max_loras] int32: rank of group g's adapter, 0 past the last
+    groups: list[LoRAGroup]  # host copy of the groups
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)

@@ -1,0 +1,54 @@
+"""Plain-torch attention over the paged KV cache: the CPU path and the kernels' oracle."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.ops.metadata import AttentionBatch
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    qsl = batch.query_start_loc_cpu
+    for b, ctx_len in enumerate(batch.seq_lens_cpu):
+        q_start, q_end = qsl[b], qsl[b + 1]
+        n = q_end - q_start
+        pages = batch.block_tables[b, : -(-ctx_len // block_size)]
+        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
+        q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)[:, None]
+        k_pos = torch.arange(ctx_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out

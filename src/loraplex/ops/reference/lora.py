@@ -1,0 +1,35 @@
+"""Plain-torch LoRA shrink and expand: the CPU path and the oracle of the kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.ops.metadata import LoRABatch
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    num_slices, _, max_rank, _ = lora_a.shape
+    out = torch.zeros(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    for g in batch.groups:
+        idx = batch.sorted_token_ids[g.start : g.end]
+        xs = x.index_select(0, idx).float()
+        for s in range(num_slices):
+            out[s, idx, : g.rank] = xs @ lora_a[s, g.slot, : g.rank].float().T
+    return out
+
+
+def lora_expand(
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    y: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    batch: LoRABatch,
+) -> None:
+    for g in batch.groups:
+        idx = batch.sorted_token_ids[g.start : g.end]
+        offset = 0
+        for s, size in enumerate(slice_sizes):
+            b = lora_b[g.slot, offset : offset + size, : g.rank].float()
+            delta = buf[s, idx, : g.rank] @ b.T
+            y[:, offset : offset + size].index_add_(0, idx, delta.to(y.dtype))
+            offset += size

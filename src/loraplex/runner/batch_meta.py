@@ -1,0 +1,139 @@
+"""A step's input tensors, built into buffers allocated once.
+
+The runner turns a StepPlan into token ids, positions, KV slot mapping, block tables,
+query offsets and the per-token adapter slot with its grouping. Everything is written
+into pinned host staging buffers (numpy views) and copied to the device buffers in one
+pass; ops receive views of the device buffers, so their addresses never change and a
+decode step can be replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+from loraplex.types import StepPlan
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionBatch
+    lora: LoRABatch | None
+    sample_rows: torch.Tensor  # [num sampled chunks] token index of each chunk's last token
+    sample_chunks: list[int]  # plan chunk index of each sampled row
+
+
+class _Buffer:
+    """A device tensor and its (pinned) host staging twin."""
+
+    def __init__(self, shape, dtype, device):
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.dev = self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+    def upload(self, *index) -> torch.Tensor:
+        """Copy host[index] to the device; return the device view."""
+        index = tuple(slice(0, i) for i in index)
+        if self.dev is not self.host:
+            self.dev[index].copy_(self.host[index], non_blocking=True)
+        return self.dev[index]
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+                 max_loras: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.max_loras = max_loras
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = _Buffer(max_tokens, i64, device)
+        self.positions = _Buffer(max_tokens, i64, device)
+        self.slot_mapping = _Buffer(max_tokens, i64, device)
+        self.query_start_loc = _Buffer(max_seqs + 1, i32, device)
+        self.seq_lens = _Buffer(max_seqs, i32, device)
+        self.block_tables = _Buffer((max_seqs, max_blocks_per_seq), i32, device)
+        self.sample_rows = _Buffer(max_seqs, i64, device)
+        self.token_slot = _Buffer(max_tokens, i32, device)
+        self.sorted_token_ids = _Buffer(max_tokens, i64, device)
+        self.group_slots = _Buffer(max(1, max_loras), i32, device)
+        self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
+        self.group_ranks = _Buffer(max(1, max_loras), i32, device)
+
+    def prepare(self, plan: StepPlan, slot_ranks: list[int]) -> StepInputs:
+        bs = self.block_size
+        num_tokens, num_seqs = plan.num_tokens, len(plan.chunks)
+        qsl, seq_lens, sample_chunks = [0], [], []
+        max_blocks = 1
+        pos = 0
+        for b, chunk in enumerate(plan.chunks):
+            n, start = chunk.num_tokens, chunk.start_pos
+            end = pos + n
+            positions = np.arange(start, start + n)
+            pages = np.asarray(chunk.block_ids, dtype=np.int64)
+            self.input_ids.np[pos:end] = chunk.token_ids
+            self.positions.np[pos:end] = positions
+            self.slot_mapping.np[pos:end] = pages[positions // bs] * bs + positions % bs
+            self.token_slot.np[pos:end] = chunk.lora_slot
+            self.block_tables.np[b, : len(pages)] = pages
+            max_blocks = max(max_blocks, len(pages))
+            if chunk.sample:
+                self.sample_rows.np[len(sample_chunks)] = end - 1
+                sample_chunks.append(b)
+            pos = end
+            qsl.append(end)
+            seq_lens.append(start + n)
+        self.query_start_loc.np[: num_seqs + 1] = qsl
+        self.seq_lens.np[:num_seqs] = seq_lens
+
+        attn = AttentionBatch(
+            slot_mapping=self.slot_mapping.upload(num_tokens),
+            query_start_loc=self.query_start_loc.upload(num_seqs + 1),
+            seq_lens=self.seq_lens.upload(num_seqs),
+            block_tables=self.block_tables.upload(num_seqs, max_blocks),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(c.num_tokens for c in plan.chunks),
+            max_seq_len=max(seq_lens),
+        )
+        return StepInputs(
+            input_ids=self.input_ids.upload(num_tokens),
+            positions=self.positions.upload(num_tokens),
+            attn=attn,
+            lora=self._lora(plan, num_tokens, slot_ranks),
+            sample_rows=self.sample_rows.upload(len(sample_chunks)),
+            sample_chunks=sample_chunks,
+        )
+
+    def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int]) -> LoRABatch | None:
+        if all(c.lora_slot < 0 for c in plan.chunks):
+            return None
+        token_slot = self.token_slot.np[:num_tokens]
+        # Stable sort: adapter tokens grouped by slot, base tokens (-1) last.
+        order = np.argsort(np.where(token_slot < 0, self.max_loras, token_slot), kind="stable")
+        self.sorted_token_ids.np[:num_tokens] = order
+        slots, starts, counts = np.unique(token_slot[order], return_index=True, return_counts=True)
+        groups = [
+            LoRAGroup(int(s), int(a), int(a + c), slot_ranks[s])
+            for s, a, c in zip(slots, starts, counts)
+            if s >= 0
+        ]
+        g = len(groups)
+        self.group_slots.np[:] = -1
+        self.group_ranks.np[:] = 0
+        self.group_slots.np[:g] = [x.slot for x in groups]
+        self.group_ranks.np[:g] = [x.rank for x in groups]
+        self.group_starts.np[: g + 1] = [x.start for x in groups] + [groups[-1].end]
+        self.group_starts.np[g + 1 :] = groups[-1].end
+        return LoRABatch(
+            token_slot=self.token_slot.upload(num_tokens),
+            sorted_token_ids=self.sorted_token_ids.upload(num_tokens),
+            group_slots=self.group_slots.upload(len(self.group_slots.np)),
+            group_starts=self.group_starts.upload(len(self.group_starts.np)),
+            group_ranks=self.group_ranks.upload(len(self.group_ranks.np)),
+            groups=groups,
+        )

@@ -1,0 +1,277 @@
+"""Executes StepPlans: owns the model, the KV cache, adapter slots and input buffers.
+
+It makes no policy decisions: the plan says which tokens run, where their pages are and
+which adapters to copy into which slots; the runner builds the step's tensors, runs the
+model and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from loraplex.adapters.slots import LoRASlotBuffers
+from loraplex.adapters.store import AdapterStore
+from loraplex.config import EngineConfig
+from loraplex.layers.attention import PagedAttention
+from loraplex.layers.context import ForwardContext, forward_context
+from loraplex.models.registry import build_model
+from loraplex.models.weights import init_dummy, load_safetensors, projection_index
+from loraplex.runner.batch_meta import InputBuffers
+from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
+from loraplex.types import (
+    Logprob,
+    PositionLogprobs,
+    SamplingParams,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
+
+logger = logging.getLogger("loraplex")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, adapters: AdapterStore | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        self.adapters = adapters
+        self.model = self._load_model()
+        self.projections = projection_index(self.model)
+        lora = config.lora
+        self.lora_slots = (
+            LoRASlotBuffers(self.projections, lora.max_loras, lora.max_lora_rank, self.dtype, self.device)
+            if lora.enabled
+            else None
+        )
+        sched = config.scheduler
+        self.inputs = InputBuffers(
+            max_tokens=sched.max_num_batched_tokens,
+            max_seqs=sched.max_num_seqs,
+            max_blocks_per_seq=config.max_blocks_per_seq,
+            max_loras=lora.max_loras,
+            block_size=config.cache.block_size,
+            device=self.device,
+        )
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids: tuple[int, ...] = config.model.eos_token_ids  # min_tokens bans these
+        self.num_blocks = self._allocate_kv_cache()
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _load_model(self) -> torch.nn.Module:
+        cfg = self.config
+        t0 = time.perf_counter()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(cfg.model, cfg.scheduler.max_model_len)
+        finally:
+            torch.set_default_dtype(prev)
+        with torch.no_grad():
+            if cfg.load_format == "dummy":
+                init_dummy(model, cfg.model.initializer_range, cfg.seed)
+            else:
+                load_safetensors(model, cfg.model_path, cfg.model.tie_word_embeddings)
+        model.eval()
+        n = sum(p.numel() for p in model.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "loaded %s (%s): %s parameters, %.2f GiB %s on %s in %.1f s",
+            cfg.model.architecture, "dummy weights" if cfg.load_format == "dummy" else cfg.model_path,
+            _count(n), nbytes / 2**30, cfg.dtype, self.device, time.perf_counter() - t0,
+        )
+        return model
+
+    def _attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.config
+        layers = self._attention_layers()
+        bs = cfg.cache.block_size
+        per_block = 2 * len(layers) * bs * cfg.model.kv_size * self.dtype.itemsize
+        # More pages than max_num_seqs full-length sequences can never be used.
+        useful = cfg.scheduler.max_num_seqs * cfg.max_blocks_per_seq
+        if cfg.cache.num_gpu_blocks_override is not None:
+            num_blocks = cfg.cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = min(useful, self._profile_free_memory() // per_block)
+        else:
+            num_blocks = min(useful, cfg.cache.cpu_kv_cache_bytes // per_block)
+        if num_blocks < cfg.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * bs} tokens, less than max_model_len="
+                f"{cfg.scheduler.max_model_len}; lower max_model_len or give it more memory"
+            )
+        shape = (num_blocks, bs, cfg.model.num_kv_heads, cfg.model.head_dim)
+        for layer in layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.2f GiB)", num_blocks, bs,
+            num_blocks * per_block / 2**30,
+        )
+        return num_blocks
+
+    def _profile_free_memory(self) -> int:
+        """Bytes left for the KV cache after weights and a full-size forward pass."""
+        cfg = self.config
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        # Peak activations of the largest step: max_num_batched_tokens tokens.
+        n = cfg.scheduler.max_num_batched_tokens
+        seq = min(n, cfg.scheduler.max_model_len)
+        num_seqs = math.ceil(n / seq)
+        blocks_per_seq = math.ceil(seq / cfg.cache.block_size)
+        chunks, remaining, next_block = [], n, 0
+        for i in range(num_seqs):
+            k = min(seq, remaining)
+            chunks.append(ScheduledChunk(
+                request_id=f"profile-{i}", token_ids=[0] * k, start_pos=0,
+                block_ids=list(range(next_block, next_block + blocks_per_seq)), lora_slot=-1,
+                sample=True, sampling=SamplingParams(temperature=0), num_output_tokens=0,
+            ))
+            remaining -= k
+            next_block += blocks_per_seq
+        shape = (next_block, cfg.cache.block_size, cfg.model.num_kv_heads, cfg.model.head_dim)
+        for layer in self._attention_layers():
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.run(StepPlan(chunks=chunks))
+        for layer in self._attention_layers():
+            layer.k_cache = layer.v_cache = None
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info()
+        budget = int(total * cfg.cache.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: weights and activations take "
+                f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
+            )
+        return budget
+
+    # -- steps ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self._request_generators.pop(request_id, None)
+        for slot, key in plan.lora_loads.items():
+            self.lora_slots.load(slot, self.adapters.get(key))
+        n_chunks = len(plan.chunks)
+        result = StepResult([None] * n_chunks, [None] * n_chunks, [None] * n_chunks)
+        if not plan.chunks:
+            return result
+        ranks = self.lora_slots.ranks if self.lora_slots else []
+        inputs = self.inputs.prepare(plan, ranks)
+        with forward_context(ForwardContext(attn=inputs.attn, lora=inputs.lora)):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+
+        if inputs.sample_chunks:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            self._sample(plan, inputs.sample_chunks, logits, result)
+        self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, result)
+        return result
+
+    def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepResult):
+        chunks = [plan.chunks[i] for i in rows]
+        sampling_rows = SamplingRows(
+            temperature=[c.sampling.temperature for c in chunks],
+            top_k=[c.sampling.top_k for c in chunks],
+            top_p=[c.sampling.top_p for c in chunks],
+            generators=[self._generator_for(c) for c in chunks],
+            banned=[self._banned_tokens(c) for c in chunks],
+        )
+        want = [c.sampling.logprobs for c in chunks]
+        raw = logits.clone() if any(w is not None for w in want) else logits
+        token_ids = sample(logits, sampling_rows, self.generator)
+        lps = None
+        if any(w is not None for w in want):
+            lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
+            lps = _to_host(lps)
+        token_ids = token_ids.tolist()
+        for j, (i, chunk) in enumerate(zip(rows, chunks)):
+            result.sampled_token_ids[i] = token_ids[j]
+            if want[j] is not None:
+                result.logprobs[i] = _position_logprobs(lps, j, token_ids[j], want[j])
+
+    def _prompt_logprobs(self, plan, qsl, hidden, result):
+        rows, targets, tasks = [], [], []
+        for i, chunk in enumerate(plan.chunks):
+            task = chunk.prompt_logprobs
+            if task is not None:
+                first = qsl[i] + task.first_row
+                rows.extend(range(first, first + len(task.target_ids)))
+                targets.extend(task.target_ids)
+                tasks.append((i, task))
+        if not rows:
+            return
+        # Prompt rows can be many (a whole prefill chunk): score them in slices so the
+        # [rows, vocab] logits stay small.
+        device = hidden.device
+        parts = []
+        max_top = max(t.num_top for _, t in tasks)
+        for a in range(0, len(rows), 1024):
+            idx = torch.tensor(rows[a : a + 1024], device=device)
+            tgt = torch.tensor(targets[a : a + 1024], device=device)
+            parts.append(token_logprobs(self.model.compute_logits(hidden[idx]), tgt, max_top))
+        lps = _to_host(_cat_logprobs(parts))
+        j = 0
+        for i, task in tasks:
+            result.prompt_logprobs[i] = [
+                _position_logprobs(lps, j + k, tid, task.num_top)
+                for k, tid in enumerate(task.target_ids)
+            ]
+            j += len(task.target_ids)
+
+    def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator | None:
+        seed = chunk.sampling.seed
+        if seed is None or chunk.sampling.greedy:
+            return None
+        gen = self._request_generators.get(chunk.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(seed)
+            self._request_generators[chunk.request_id] = gen
+        return gen
+
+    def _banned_tokens(self, chunk: ScheduledChunk) -> list[int]:
+        sp = chunk.sampling
+        if chunk.num_output_tokens >= sp.min_tokens:
+            return []
+        eos = [] if sp.ignore_eos else list(self.eos_token_ids)
+        return eos + sp.stop_token_ids
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _to_host(lps):
+    return type(lps)(*(t.cpu().tolist() for t in (lps.chosen, lps.rank, lps.top_values, lps.top_ids)))
+
+
+def _cat_logprobs(parts):
+    return type(parts[0])(*(torch.cat(ts) for ts in zip(*(
+        (p.chosen, p.rank, p.top_values, p.top_ids) for p in parts
+    ))))
+
+
+def _position_logprobs(lps, row: int, token_id: int, num_top: int) -> PositionLogprobs:
+    """The chosen token's Logprob plus the row's top `num_top`, as vLLM returns them."""
+    out = {token_id: Logprob(lps.chosen[row], lps.rank[row])}
+    for rank, (tid, value) in enumerate(zip(lps.top_ids[row][:num_top], lps.top_values[row][:num_top]), 1):
+        out.setdefault(tid, Logprob(value, rank))
+    return out

@@ -1,0 +1,101 @@
+"""Sampling and logprobs, batched over rows with different parameters.
+
+Semantics are vLLM's: temperature < 1e-5 is greedy; top-k then top-p (keep the smallest
+set of most likely tokens whose probability reaches top_p); logprobs are the model's raw
+log-softmax, before temperature and truncation. Random rows draw by the exponential race
+(argmax p / E, E ~ Exp(1), which picks token i with probability p_i); a request with a
+seed draws its E from its own generator, so its tokens do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingRows:
+    """Per-row sampling parameters of one step, host side."""
+
+    temperature: list[float]
+    top_k: list[int]  # 0: off
+    top_p: list[float]  # 1.0: off
+    generators: list[torch.Generator | None]  # per-request generator, or None: the shared one
+    banned: list[list[int]]  # tokens that may not be sampled (min_tokens)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(t < 1e-5 for t in self.temperature)
+
+
+def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator) -> torch.Tensor:
+    """logits [N, V] float32 -> sampled token ids [N] (int64). Modifies logits."""
+    n, vocab = logits.shape
+    device = logits.device
+    for i, banned in enumerate(rows.banned):
+        if banned:
+            logits[i, banned] = float("-inf")
+    greedy_ids = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return greedy_ids
+
+    temperature = torch.tensor(rows.temperature, device=device)
+    greedy = temperature < 1e-5
+    logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
+    if any(0 < k < vocab for k in rows.top_k) or any(p < 1.0 for p in rows.top_p):
+        logits = _top_k_top_p(logits, rows.top_k, rows.top_p)
+    probs = logits.softmax(dim=-1)
+
+    race = torch.empty_like(probs)
+    shared = [i for i, g in enumerate(rows.generators) if g is None]
+    if shared:
+        race[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
+            generator=generator
+        )
+    for i, g in enumerate(rows.generators):
+        if g is not None:
+            race[i].exponential_(generator=g)
+    random_ids = (probs / race).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, random_ids)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
+    remove = mass_before >= p
+    remove[:, 0] = False
+    sorted_logits.masked_fill_(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of chosen tokens and of each row's most likely ones."""
+
+    chosen: torch.Tensor  # [N] float32: logprob of the chosen token
+    rank: torch.Tensor  # [N] int64: 1 + tokens strictly more likely than the chosen one
+    top_values: torch.Tensor  # [N, k] float32
+    top_ids: torch.Tensor  # [N, k] int64
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, num_top: int) -> TokenLogprobs:
+    """Raw logprobs of `chosen` [N] under logits [N, V], and the top `num_top` per row."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen_lp = logprobs.gather(-1, chosen[:, None])
+    rank = (logprobs > chosen_lp).sum(dim=-1) + 1
+    num_top = min(num_top, logprobs.shape[-1])
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    empty = logprobs.new_empty(len(chosen), 0)
+    return TokenLogprobs(
+        chosen=chosen_lp[:, 0],
+        rank=rank,
+        top_values=top.values if top else empty,
+        top_ids=top.indices if top else empty.long(),
+    )

@@ -1,0 +1,199 @@
+"""The objects users hand loraplex and get back, and the scheduler -> runner contract.
+
+User-facing classes mirror vLLM's (`SamplingParams`, `LoRARequest`, `RequestOutput`)
+so code written for vLLM's offline API runs unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.errors import InvalidRequest
+
+_GREEDY_TEMPERATURE = 1e-5  # as vLLM: below this, sampling is greedy
+
+
+@dataclass
+class SamplingParams:
+    """How to generate; the fields and their meanings are vLLM's."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token (+ the sampled one)
+    prompt_logprobs: int | None = None  # same for prompt tokens; 0: only the prompt token
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self):
+        def bad(msg):
+            raise InvalidRequest(msg)
+
+        if self.n != 1:
+            bad(f"n must be 1, got {self.n}")
+        if not self.temperature >= 0:
+            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad(f"top_k must be -1 (disable) or >= 0, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                bad(f"{name} must be >= 0, got {v}")
+        if any(not s for s in self.stop):
+            bad("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """Names an adapter for a request, as vLLM's LoRARequest.
+
+    lora_int_id is the adapter's identity inside the engine (> 0); lora_path is a PEFT
+    adapter directory (adapter_config.json + adapter_model.safetensors).
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.lora_int_id < 1:
+            raise InvalidRequest(f"lora_int_id must be > 0, got {self.lora_int_id}")
+
+    @property
+    def key(self) -> str:
+        """How the engine names this adapter in slots and caches."""
+        return f"{self.lora_int_id}:{self.lora_name}"
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# One position's logprobs: token id -> Logprob (the chosen token and the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    # One entry per prompt token; None for the first (nothing predicts it).
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    lora_request: LoRARequest | None = None
+    metrics: RequestMetrics | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Scheduler -> runner contract. Plain Python: the scheduler never touches tensors.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptLogprobsTask:
+    """Logits rows of a chunk whose log-softmax scores the prompt tokens that follow."""
+
+    first_row: int  # chunk-relative index of the first row
+    target_ids: list[int]  # the token each row predicts (row first_row + i -> target_ids[i])
+    num_top: int  # top-k logprobs to return beside each target
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's share of a step: a prefill chunk, or the one token of a decode."""
+
+    request_id: str
+    token_ids: list[int]  # tokens fed this step, at positions start_pos, start_pos + 1, ...
+    start_pos: int  # = the request's num_computed_tokens before this step
+    block_ids: list[int]  # KV pages of the request, covering start_pos + len(token_ids)
+    lora_slot: int  # GPU adapter slot of every token of the chunk; -1 = base model
+    sample: bool  # the chunk ends at the last known token: sample the next one
+    sampling: SamplingParams
+    num_output_tokens: int  # tokens generated so far (min_tokens, seeded sampling)
+    prompt_logprobs: PromptLogprobsTask | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """Everything the runner needs for one forward step, in batch order."""
+
+    chunks: list[ScheduledChunk]
+    # Adapter slot -> adapter key: copy that adapter into the slot before running.
+    lora_loads: dict[int, str] = field(default_factory=dict)
+    # Requests that ended since the last plan: the runner drops their per-request state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class StepResult:
+    """What the runner returns for a plan; lists are parallel to plan.chunks."""
+
+    sampled_token_ids: list[int | None]
+    logprobs: list[PositionLogprobs | None]  # logprobs of the sampled token position
+    prompt_logprobs: list[list[PositionLogprobs] | None]
