@@ -18,17 +18,17 @@ def write_word_tokenizer(
     eos_token_id: int | None = None,
 ) -> None:
     """Write tokenizer.json + tokenizer_config.json: word `t<i>` <-> id i."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = {}
-    if bos_token_id is not None:
-        special["bos_token"] = f"t{bos_token_id}"
-    if eos_token_id is not None:
-        special["eos_token"] = f"t{eos_token_id}"
+    for role, token_id in (("bos_token", bos_token_id), ("eos_token", eos_token_id)):
+        if token_id is not None:
+            # single_word: "t1" must not match inside "t177".
+            special[role] = AddedToken(f"t{token_id}", single_word=True, special=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
     fast.save_pretrained(str(out_dir))
 

@@ -23,6 +23,10 @@ from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepRes
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable):
+        # Otherwise a request could outgrow the whole cache and preempt itself forever.
+        assert blocks.num_blocks * blocks.block_size >= config.max_model_len, (
+            "the KV cache must hold one max_model_len sequence"
+        )
         self.config = config
         self.blocks = blocks
         self.slots = slots

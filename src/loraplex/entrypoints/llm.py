@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
@@ -86,7 +86,7 @@ class LLM:
                 max_model_len=max_model_len,
             ),
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs)
         self._ids = itertools.count()
 
@@ -144,6 +144,20 @@ class LLM:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise InvalidRequest("a dict prompt needs 'prompt_token_ids' or 'prompt'")
         return None, list(prompt)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer a model directory declares.
+
+    transformers 5 may override a declared generic tokenizer.json with the model type's
+    own tokenizer class; a directory that says tokenizer_class TokenizersBackend or
+    PreTrainedTokenizerFast gets exactly that.
+    """
+    config_file = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -56,7 +56,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     for i, g in enumerate(rows.generators):
         if g is not None:
             race[i].exponential_(generator=g)
-    random_ids = (probs / race).argmax(dim=-1)
+    # A zero draw would turn 0 / 0 into NaN, which argmax picks: keep draws positive.
+    random_ids = (probs / race.clamp_min_(1e-20)).argmax(dim=-1)
     return torch.where(greedy, greedy_ids, random_ids)
 
 
@@ -69,7 +70,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     p = torch.tensor(top_p, device=logits.device)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
-    remove = mass_before >= p
+    # p >= 1 is off: float32 cumsum can reach 1 before the tail, which must not be cut.
+    remove = (mass_before >= p) & (p < 1.0)
     remove[:, 0] = False
     sorted_logits.masked_fill_(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

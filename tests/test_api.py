@@ -1,0 +1,125 @@
+"""The offline API's surface: model loading (sharded, dummy, broken), prompt forms, and
+typed errors for invalid requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from conftest import VOCAB, build_tiny_model, make_llm, random_prompts
+from safetensors.torch import load_file, save_file
+
+from loraplex import InvalidRequest, PromptTooLong, SamplingParams
+from loraplex.bench.synthetic import word_prompt
+from loraplex.errors import ModelLoadError, UnsupportedModel
+
+SP = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=0)
+
+
+def _generate(llm, prompts):
+    return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in llm.generate(prompts, SP)]
+
+
+def test_sharded_checkpoint_equals_single_file(model_dirs, tmp_path):
+    sharded = build_tiny_model(tmp_path / "sharded", "llama", max_shard_size="100KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    prompts = random_prompts(3)
+    assert _generate(make_llm(sharded), prompts) == _generate(make_llm(model_dirs["llama"]), prompts)
+
+
+def test_load_reports_one_line(model_dirs, caplog):
+    with caplog.at_level(logging.INFO, logger="loraplex"):
+        make_llm(model_dirs["qwen3"])
+    lines = [r.getMessage() for r in caplog.records if "parameters" in r.getMessage()]
+    assert len(lines) == 1
+    assert "GiB" in lines[0] and " in " in lines[0] and lines[0].endswith(" s")
+
+
+def test_dummy_weights_need_only_a_config(model_dirs, tmp_path):
+    d = tmp_path / "config-only"
+    d.mkdir()
+    for f in model_dirs["qwen3"].iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, d)
+    with pytest.raises(ModelLoadError, match="dummy"):
+        make_llm(d)
+    a = make_llm(d, load_format="dummy", seed=3)
+    b = make_llm(d, load_format="dummy", seed=3)
+    c = make_llm(d, load_format="dummy", seed=4)
+    prompts = random_prompts(2)
+    assert _generate(a, prompts) == _generate(b, prompts) != _generate(c, prompts)
+    w = a.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert abs(w.std().item() - 0.08) < 0.01  # trained scale: config.initializer_range
+    assert torch.all(a.engine.runner.model.model.norm.weight == 1)
+
+
+def _copy_with(src, dst, edit):
+    shutil.copytree(src, dst)
+    path = next(dst.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    return dst
+
+
+def test_broken_checkpoints(model_dirs, tmp_path):
+    src = model_dirs["qwen3"]
+    missing = _copy_with(src, tmp_path / "missing", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ModelLoadError, match="lacks 1 weights"):
+        make_llm(missing)
+    extra = _copy_with(src, tmp_path / "extra", lambda t: t.update({"model.foo": torch.zeros(2)}))
+    with pytest.raises(ModelLoadError, match="unexpected tensor 'model.foo'"):
+        make_llm(extra)
+
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1]
+
+    with pytest.raises(ModelLoadError, match="shape"):
+        make_llm(_copy_with(src, tmp_path / "shape", shrink))
+
+    other = tmp_path / "other-arch"
+    shutil.copytree(src, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="supported: LlamaForCausalLM"):
+        make_llm(other)
+
+
+def test_prompt_forms(model_dirs):
+    llm = make_llm(model_dirs["qwen2"])
+    ids = random_prompts(1)[0]
+    text = word_prompt(ids)
+    forms = [text, ids, {"prompt_token_ids": ids}, {"prompt": text}]
+    outs = [llm.generate(f, SP)[0] for f in forms]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[0].prompt == text and outs[1].prompt is None
+    many = llm.generate([text, ids], [SP, SP])
+    assert [o.outputs[0].token_ids for o in many] == [outs[0].outputs[0].token_ids] * 2
+    assert many[0].outputs[0].text == " " + word_prompt(many[0].outputs[0].token_ids)
+
+
+def test_invalid_requests_raise_typed_errors(model_dirs):
+    llm = make_llm(model_dirs["qwen2"], max_model_len=32, max_logprobs=5)
+    ok = [5, 6, 7]
+    cases = [
+        ([list(range(3, 40))], SP, PromptTooLong),
+        ([[]], SP, InvalidRequest),
+        ([[VOCAB + 1]], SP, InvalidRequest),
+        ([ok], SamplingParams(logprobs=6), InvalidRequest),
+        ([ok, ok], [SP], InvalidRequest),
+    ]
+    for prompts, sp, error in cases:
+        with pytest.raises(error):
+            llm.generate(prompts, sp)
+        assert not llm.engine.has_unfinished_requests()
+    for bad in [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=-1),
+                dict(stop=[""]), dict(n=2)]:
+        with pytest.raises(InvalidRequest):
+            SamplingParams(**bad)
+    assert llm.generate([ok], SP)[0].outputs[0].finish_reason == "length"

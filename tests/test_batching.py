@@ -1,0 +1,136 @@
+"""Scheduling must never change what a request generates: chunked prefill, preemption
+by recompute, stop conditions and seeded sampling."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import ADAPTERS, make_llm, random_prompts, tolerance
+
+from loraplex import LoRARequest, SamplingParams
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _loras(adapter_dirs, arch, n):
+    adapters = [None] + [
+        LoRARequest(name, i + 1, str(adapter_dirs[arch][name])) for i, name in enumerate(ADAPTERS)
+    ]
+    return [adapters[i % len(adapters)] for i in range(n)]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded-sampling"])
+def test_chunked_prefill_changes_no_token(model_dirs, adapter_dirs, seeded):
+    prompts = random_prompts(6, (20, 60), seed=4)
+    loras = _loras(adapter_dirs, "llama", len(prompts))
+    sp = [
+        SamplingParams(temperature=0.8 if seeded else 0, seed=100 + i if seeded else None,
+                       max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+        for i in range(len(prompts))
+    ]
+    whole = make_llm(model_dirs["llama"]).generate(prompts, sp, loras)
+    llm = make_llm(model_dirs["llama"], max_num_batched_tokens=16)
+    chunked = llm.generate(prompts, sp, loras)
+    assert _tokens(chunked) == _tokens(whole)
+    for a, b, p in zip(whole, chunked, prompts):
+        assert len(b.prompt_logprobs) == len(p)
+        da = torch.tensor([x[t].logprob for x, t in zip(a.prompt_logprobs[1:], p[1:])])
+        db = torch.tensor([x[t].logprob for x, t in zip(b.prompt_logprobs[1:], p[1:])])
+        assert (da - db).abs().max().item() <= tolerance() / 10
+
+
+def test_preemption_by_recompute_changes_no_token(model_dirs, adapter_dirs):
+    prompts = random_prompts(8, (30, 50), seed=5)
+    loras = _loras(adapter_dirs, "qwen3", len(prompts))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=0)
+    roomy = make_llm(model_dirs["qwen3"]).generate(prompts, sp, loras)
+    # 16 pages of 16 tokens hold ~3 of these requests at full length: the rest must wait
+    # or be preempted and recomputed.
+    tight = make_llm(model_dirs["qwen3"], num_gpu_blocks_override=16, max_model_len=128)
+    outs = tight.generate(prompts, sp, loras)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the test should preempt"
+    assert _tokens(outs) == _tokens(roomy)
+    for a, b in zip(roomy, outs):  # prompt logprobs are not scored twice after recompute
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs)
+    assert tight.engine.scheduler.blocks.num_free_blocks == 16
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(model_dirs):
+    llm = make_llm(model_dirs["qwen2"])
+    prompts = random_prompts(5, (5, 20), seed=6)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
+                        ignore_eos=True)
+    together = _tokens(llm.generate(prompts, sp))
+    again = _tokens(llm.generate(prompts[::-1], sp))[::-1]
+    alone = [_tokens(llm.generate([p], sp))[0] for p in prompts]
+    assert together == again == alone
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    assert _tokens(llm.generate(prompts, unseeded)) != together
+
+
+def test_stop_conditions(model_dirs):
+    llm = make_llm(model_dirs["qwen3"])
+    prompt = random_prompts(1, (10, 11), seed=7)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    tokens = free.outputs[0].token_ids
+    assert free.outputs[0].finish_reason == "length" and len(tokens) == 12
+
+    # stop_token_ids: ends on the token, keeps it in token_ids, not in text.
+    stop_at = tokens[4]
+    first = tokens.index(stop_at)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == tokens[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    assert f"t{stop_at}" not in out.outputs[0].text.split()[-1:]
+
+    # stop strings: text cut before the stop string (or after it, when asked).
+    words = free.outputs[0].text.split()
+    stop = f"{words[2]} {words[3]}"
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == free.outputs[0].text[: free.outputs[0].text.index(stop)]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop=[stop], include_stop_str_in_output=True),
+    )[0]
+    assert out.outputs[0].text.endswith(stop)
+
+    # min_tokens: the stop token cannot end generation early.
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, min_tokens=8, stop_token_ids=[stop_at])
+    )[0]
+    assert len(out.outputs[0].token_ids) >= 8
+    assert stop_at not in out.outputs[0].token_ids[:8]
+
+    # EOS ends generation unless ignore_eos; max_model_len caps everything.
+    eos_free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert eos_free[0].outputs[0].finish_reason == "length"
+    short = make_llm(model_dirs["qwen3"], max_model_len=len(prompt) + 5)
+    out = short.generate([prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+
+
+def test_eos_stops_generation(model_dirs, tmp_path):
+    """A model whose config names a frequent token as EOS stops at its first occurrence."""
+    llm = make_llm(model_dirs["qwen3"])
+    prompt = random_prompts(1, (10, 11), seed=8)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = free[0].outputs[0].token_ids
+    eos = tokens[3]
+    model_dir = tmp_path / "model"
+    shutil.copytree(model_dirs["qwen3"], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    llm = make_llm(model_dir)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.token_ids == tokens[: tokens.index(eos) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == tokens

@@ -1,0 +1,194 @@
+"""Every op of every available backend against a naive per-token loop, on awkward shapes
+and over adapter popularity: distinct, uniform, Zipf, identical, none."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICE
+
+from loraplex import ops
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+
+BACKENDS = ["torch"]
+POPULARITY = ["distinct", "uniform", "zipf", "identical", "none", "mixed-with-base"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    prev = ops.backend_name()
+    ops.use_backend(request.param)
+    yield request.param
+    ops.use_backend(prev)
+
+
+def token_slots(kind: str, num_tokens: int, num_slots: int, gen: torch.Generator) -> list[int]:
+    if kind == "distinct":
+        return [i % num_slots for i in range(num_tokens)]
+    if kind == "uniform":
+        return torch.randint(0, num_slots, (num_tokens,), generator=gen).tolist()
+    if kind == "zipf":
+        w = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64)
+        return torch.multinomial(w, num_tokens, replacement=True, generator=gen).tolist()
+    if kind == "identical":
+        return [num_slots - 1] * num_tokens
+    if kind == "none":
+        return [-1] * num_tokens
+    return torch.randint(-1, num_slots, (num_tokens,), generator=gen).tolist()
+
+
+def lora_batch(slots: list[int], ranks: list[int], max_loras: int) -> LoRABatch:
+    """Built the way the runner builds it (grouped by slot, base tokens last)."""
+    s = np.asarray(slots)
+    order = np.argsort(np.where(s < 0, max_loras, s), kind="stable")
+    groups, start = [], 0
+    for slot in sorted(set(slots) - {-1}):
+        n = int((s == slot).sum())
+        groups.append(LoRAGroup(slot, start, start + n, ranks[slot]))
+        start += n
+    pad = max_loras - len(groups)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    return LoRABatch(
+        token_slot=torch.tensor(slots, **i32),
+        sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=DEVICE),
+        group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
+        group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
+        group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
+        groups=groups,
+    )
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens,in_f,sizes", [(1, 64, (48,)), (37, 72, (40, 24, 24)), (130, 33, (17, 51))])
+def test_lora_shrink_expand(backend, popularity, num_tokens, in_f, sizes):
+    gen = torch.Generator().manual_seed(num_tokens * 7 + len(sizes))
+    max_loras, max_rank = 5, 16
+    ranks = [16, 8, 3, 1, 12]
+    slots = token_slots(popularity, num_tokens, max_loras, gen)
+    a = torch.zeros(len(sizes), max_loras, max_rank, in_f)
+    b = torch.zeros(max_loras, sum(sizes), max_rank)
+    for s, r in enumerate(ranks):  # columns past an adapter's rank stay zero, as in slots
+        a[:, s, :r] = torch.randn(len(sizes), r, in_f, generator=gen)
+        b[s, :, :r] = torch.randn(sum(sizes), r, generator=gen)
+    x = torch.randn(num_tokens, in_f, generator=gen)
+    y0 = torch.randn(num_tokens, sum(sizes), generator=gen)
+
+    expected = y0.clone().double()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            for s in range(len(sizes)):
+                rows = slice(sum(sizes[:s]), sum(sizes[: s + 1]))
+                delta = (x[t].double() @ a[s, slot].double().T) @ b[slot, rows].double().T
+                expected[t, rows] += delta
+
+    dev = dict(device=DEVICE)
+    batch = lora_batch(slots, ranks, max_loras)
+    y = y0.to(**dev)
+    buf = ops.lora_shrink(x.to(**dev), a.to(**dev), batch)
+    assert buf.shape == (len(sizes), num_tokens, max_rank) and buf.dtype == torch.float32
+    ops.lora_expand(buf, b.to(**dev), y, sizes, batch)
+    err = (y.double().cpu() - expected).norm() / expected.norm()
+    assert err <= 1e-5, err
+    base = torch.tensor([s < 0 for s in slots])
+    assert torch.equal(y.cpu()[base], y0[base]), "tokens without an adapter must not change"
+
+
+def naive_attention(q, k, v, scale, window):
+    """q [n, Hq, D] at the last n of L positions; k, v [L, Hkv, D]."""
+    n, num_heads, _ = q.shape
+    length, num_kv = k.shape[:2]
+    group = num_heads // num_kv
+    out = torch.empty(n, num_heads, v.shape[-1], dtype=torch.float64)
+    for i in range(n):
+        p = length - n + i
+        visible = [j for j in range(length) if j <= p and (window is None or j > p - window)]
+        for h in range(num_heads):
+            kk, vv = k[visible, h // group].double(), v[visible, h // group].double()
+            w = torch.softmax(scale * kk @ q[i, h].double(), dim=0)
+            out[i, h] = w @ vv
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention(backend, window):
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_blocks, num_heads, num_kv, head_dim = 4, 40, 6, 2, 8
+    # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix.
+    seqs = [(0, 1), (9, 1), (0, 7), (5, 6), (12, 1), (3, 13)]
+    k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered pages
+    tables, slot_mapping, qsl, seq_lens = [], [], [0], []
+    for cached, new in seqs:
+        length = cached + new
+        pages = [free.pop() for _ in range(math.ceil(length / block_size))]
+        tables.append(pages)
+        slot_mapping += [pages[p // block_size] * block_size + p % block_size
+                         for p in range(cached, length)]
+        qsl.append(qsl[-1] + new)
+        seq_lens.append(length)
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    num_tokens = qsl[-1]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    k_new = torch.randn(num_tokens, num_kv, head_dim, generator=gen)
+    v_new = torch.randn(num_tokens, num_kv, head_dim, generator=gen)
+
+    dev = dict(device=DEVICE)
+    batch = AttentionBatch(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, **dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, **dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, **dev),
+        block_tables=table.to(**dev),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(seq_lens),
+    )
+    kc, vc = k_cache.clone().to(**dev), v_cache.clone().to(**dev)
+    ops.write_kv_cache(k_new.to(**dev), v_new.to(**dev), kc, vc, batch.slot_mapping)
+    scale = head_dim**-0.5
+    out = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window).cpu()
+
+    flat_k = kc.cpu().view(-1, num_kv, head_dim)
+    flat_v = vc.cpu().view(-1, num_kv, head_dim)
+    assert torch.equal(flat_k[batch.slot_mapping.cpu()], k_new)
+    for b, (cached, new) in enumerate(seqs):
+        length = cached + new
+        slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(length)]
+        ref = naive_attention(q[qsl[b] : qsl[b + 1]], flat_k[slots], flat_v[slots], scale, window)
+        err = (out[qsl[b] : qsl[b + 1]].double() - ref).norm() / ref.norm()
+        assert err <= 1e-5, (b, err)
+
+
+def test_rms_norm_rotary_silu(backend):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 48, generator=gen)
+    w = torch.randn(48, generator=gen)
+    ref = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6).double(), ref, rtol=1e-5, atol=1e-6)
+
+    q, k = torch.randn(7, 4, 16, generator=gen), torch.randn(7, 2, 16, generator=gen)
+    positions = torch.tensor([0, 3, 1, 9, 9, 2, 15])
+    inv = 1.0 / 10000 ** (torch.arange(0, 16, 2).double() / 16)
+    ang = torch.arange(20).double()[:, None] * inv
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float()
+    rq, rk = ops.rotary_embedding(q, k, positions, cos_sin)
+    for t, p in enumerate(positions.tolist()):  # rotate pairs (i, i + D/2) by p * inv[i]
+        c, s = ang[p].cos(), ang[p].sin()
+        for src, got in ((q, rq), (k, rk)):
+            x1, x2 = src[t, :, :8].double(), src[t, :, 8:].double()
+            want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+            assert torch.allclose(got[t].double(), want, atol=1e-5)
+
+    h = torch.randn(5, 2 * 24, generator=gen)
+    g, u = h[:, :24].double(), h[:, 24:].double()
+    assert torch.allclose(ops.silu_and_mul(h).double(), g * torch.sigmoid(g) * u, atol=1e-6)
+
+
+def test_unknown_backend_lists_known():
+    with pytest.raises(ValueError, match="known: torch"):
+        ops.use_backend("cuda-magic")

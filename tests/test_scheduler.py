@@ -1,0 +1,132 @@
+"""Scheduler, block manager and slot table as pure Python: no model involved."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters.slot_table import SlotTable
+from loraplex.config import SchedulerConfig
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.request import Request
+from loraplex.engine.scheduler import Scheduler
+from loraplex.types import LoRARequest, SamplingParams, StepResult
+
+
+def test_block_manager_free_list_and_ref_counts():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a: list[int] = []
+    assert bm.can_grow(a, 16) and not bm.can_grow(a, 17)
+    bm.grow(a, 5)
+    assert len(a) == 2 and bm.num_free_blocks == 2
+    bm.grow(a, 8)  # still fits in two pages
+    assert len(a) == 2
+    shared = bm.share(a)
+    bm.free(a)
+    assert a == [] and bm.num_free_blocks == 2, "shared pages stay allocated"
+    bm.free(shared)
+    assert bm.num_free_blocks == 4
+    with pytest.raises(AssertionError):
+        bm.free([0])
+
+
+def test_slot_table_reuse_and_lru():
+    st = SlotTable(2)
+    assert st.acquire("a") == (0, True)
+    assert st.acquire("a") == (0, False)
+    assert st.acquire("b") == (1, True)
+    assert not st.can_acquire("c"), "both slots referenced"
+    st.release(0)
+    st.release(0)
+    st.release(1)
+    assert st.acquire("a") == (0, False), "idle slot keeps its adapter"
+    st.release(0)
+    # LRU among idle slots: b (released before a's last use) goes first.
+    assert st.acquire("c") == (1, True) and st.slot_of("b") is None
+    assert not st.forget("c") and st.forget("a") and st.slot_of("a") is None
+
+
+def _request(rid, n_prompt, max_tokens=4, lora=None):
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(3, 3 + n_prompt)),
+        sampling=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        lora_request=lora,
+    )
+
+
+def _run(sched, plan, token=7):
+    """Pretend the runner sampled `token` for every chunk that samples."""
+    result = StepResult(
+        [token if c.sample else None for c in plan.chunks],
+        [None] * len(plan.chunks),
+        [None] * len(plan.chunks),
+    )
+    return sched.update(plan, result)
+
+
+def _scheduler(num_blocks=64, block_size=4, slots=2, **kw):
+    cfg = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 16, "max_model_len": 64, **kw})
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), SlotTable(slots))
+
+
+def test_token_budget_chunks_prefill_and_mixes_decodes():
+    sched = _scheduler()
+    sched.add(_request("a", 10))
+    sched.add(_request("b", 20))
+    plan = sched.schedule()
+    assert [(c.request_id, c.num_tokens, c.sample) for c in plan.chunks] == [
+        ("a", 10, True), ("b", 6, False)
+    ]
+    assert plan.chunks[1].start_pos == 0
+    _run(sched, plan)
+    plan = sched.schedule()  # a decodes one token; b continues its prefill
+    assert [(c.request_id, c.num_tokens, c.start_pos) for c in plan.chunks] == [
+        ("a", 1, 10), ("b", 14, 6)
+    ]
+    assert plan.chunks[0].token_ids == [7]
+
+
+def test_preemption_frees_pages_and_recomputes_newest_first():
+    sched = _scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24)
+    sched.add(_request("old", 8, max_tokens=12))
+    sched.add(_request("new", 8, max_tokens=12))
+    _run(sched, sched.schedule())  # 2 pages each, 2 free
+    for _ in range(8):
+        plan = sched.schedule()
+        _run(sched, plan)
+    new = next(r for r in [*sched.running, *sched.waiting] if r.request_id == "new")
+    assert new.metrics.num_preemptions >= 1
+    assert sched.requests["old"].metrics.num_preemptions == 0
+    # The preempted request comes back with prompt + its output so far as its prefill.
+    while new not in sched.running:
+        _run(sched, sched.schedule())
+    assert new.num_computed_tokens > 8
+
+
+def test_adapter_slots_gate_admission_and_loads_are_planned():
+    sched = _scheduler(slots=1)
+    a1 = LoRARequest("a", 1, "/x")
+    a2 = LoRARequest("b", 2, "/y")
+    sched.add(_request("r1", 4, lora=a1))
+    sched.add(_request("r2", 4, lora=a2))
+    sched.add(_request("r3", 4, lora=a1))
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r1"], "r2 waits for the only slot"
+    assert plan.lora_loads == {0: a1.key}
+    while "r1" in sched.requests:
+        _run(sched, sched.schedule())
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r2"]
+    assert plan.lora_loads == {0: a2.key} and plan.chunks[0].lora_slot == 0
+    assert "r1" in plan.finished_request_ids
+
+
+def test_stop_conditions_in_update():
+    sched = _scheduler()
+    req = _request("a", 4, max_tokens=3)
+    req.sampling.stop_token_ids = [9]
+    sched.add(req)
+    _run(sched, sched.schedule(), token=5)
+    _run(sched, sched.schedule(), token=9)
+    assert req.finished and req.finish_reason == "stop" and req.stop_reason == 9
+    assert sched.blocks.num_free_blocks == 64
