@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.bench.synthetic import write_word_tokenizer
+from loraplex.bench.synthetic import write_random_model
 
 DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("LORAPLEX_TEST_DTYPE", "float32")
@@ -55,12 +55,7 @@ def build_tiny_model(out_dir: Path, arch: str, seed: int = 0, max_shard_size=Non
 
     cls_name, extra = ARCHS[arch]
     config = getattr(transformers, cls_name)(**_COMMON, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **kwargs)
-    write_word_tokenizer(out_dir, VOCAB, bos_token_id=BOS, eos_token_id=EOS)
-    return out_dir
+    return write_random_model(out_dir, config, seed, max_shard_size)
 
 
 @pytest.fixture(scope="session")

@@ -123,3 +123,15 @@ def test_invalid_requests_raise_typed_errors(model_dirs):
         with pytest.raises(InvalidRequest):
             SamplingParams(**bad)
     assert llm.generate([ok], SP)[0].outputs[0].finish_reason == "length"
+
+
+def test_cli_generate(model_dirs, adapter_dirs, capsys):
+    from loraplex.entrypoints.cli import main
+
+    adapter = adapter_dirs["qwen3"]["all7-r8"]
+    code = main(["generate", str(model_dirs["qwen3"]), "--prompt", "t5 t6 t7", "--max-tokens", "4",
+                 "--max-model-len", "64", "--lora-modules", f"style={adapter}"])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert [line.split("]")[0] for line in lines] == ["[base", "[style"]
+    assert all(len(line.split("] ")[1].split()) == 4 for line in lines)

@@ -33,6 +33,24 @@ def write_word_tokenizer(
     fast.save_pretrained(str(out_dir))
 
 
+def write_random_model(out_dir: str | Path, hf_config, seed: int = 0, max_shard_size=None) -> Path:
+    """Save a transformers model of `hf_config` with random weights, plus a word tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out_dir), **kwargs)
+    write_word_tokenizer(
+        out_dir, hf_config.vocab_size, hf_config.bos_token_id, _first(hf_config.eos_token_id)
+    )
+    return Path(out_dir)
+
+
+def _first(x):
+    return x[0] if isinstance(x, (list, tuple)) else x
+
+
 def word_prompt(token_ids: list[int]) -> str:
     return " ".join(f"t{i}" for i in token_ids)
 
