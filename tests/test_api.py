@@ -135,3 +135,21 @@ def test_cli_generate(model_dirs, adapter_dirs, capsys):
     assert code == 0
     assert [line.split("]")[0] for line in lines] == ["[base", "[style"]
     assert all(len(line.split("] ")[1].split()) == 4 for line in lines)
+
+
+@pytest.mark.parametrize("limits", [dict(max_num_batched_tokens=100, max_num_seqs=2, max_model_len=64),
+                                    dict(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=48),
+                                    dict(max_num_batched_tokens=40, max_num_seqs=4, max_model_len=128)])
+def test_largest_step_respects_every_limit(model_dirs, limits):
+    """The memory-profiling step is a plan the scheduler could make, and it runs."""
+    from loraplex.runner.model_runner import largest_step
+
+    llm = make_llm(model_dirs["qwen3"], **limits)
+    plan, pages = largest_step(llm.config)
+    lens = [c.num_tokens for c in plan.chunks]
+    assert sum(lens) == min(limits["max_num_batched_tokens"],
+                            limits["max_num_seqs"] * limits["max_model_len"])
+    assert len(lens) <= limits["max_num_seqs"] and max(lens) <= limits["max_model_len"]
+    assert pages == sum(len(c.block_ids) for c in plan.chunks)
+    llm.engine.runner.run_largest_step()
+    assert llm.generate([[5, 6, 7]], SP)[0].outputs[0].finish_reason == "length"

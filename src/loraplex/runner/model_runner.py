@@ -121,44 +121,38 @@ class ModelRunner:
         return num_blocks
 
     def _profile_free_memory(self) -> int:
-        """Bytes left for the KV cache after weights and a full-size forward pass."""
-        cfg = self.config
+        """Bytes left for the KV cache after weights and the largest step's activations."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        # Peak activations of the largest step: max_num_batched_tokens tokens.
-        n = cfg.scheduler.max_num_batched_tokens
-        seq = min(n, cfg.scheduler.max_model_len)
-        num_seqs = math.ceil(n / seq)
-        blocks_per_seq = math.ceil(seq / cfg.cache.block_size)
-        chunks, remaining, next_block = [], n, 0
-        for i in range(num_seqs):
-            k = min(seq, remaining)
-            chunks.append(ScheduledChunk(
-                request_id=f"profile-{i}", token_ids=[0] * k, start_pos=0,
-                block_ids=list(range(next_block, next_block + blocks_per_seq)), lora_slot=-1,
-                sample=True, sampling=SamplingParams(temperature=0), num_output_tokens=0,
-            ))
-            remaining -= k
-            next_block += blocks_per_seq
-        shape = (next_block, cfg.cache.block_size, cfg.model.num_kv_heads, cfg.model.head_dim)
-        for layer in self._attention_layers():
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self.run(StepPlan(chunks=chunks))
-        for layer in self._attention_layers():
-            layer.k_cache = layer.v_cache = None
+        self.run_largest_step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         _, total = torch.cuda.mem_get_info()
-        budget = int(total * cfg.cache.gpu_memory_utilization) - peak
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak
         if budget <= 0:
             raise ValueError(
                 f"no memory left for the KV cache: weights and activations take "
                 f"{peak / 2**30:.1f} GiB of {total / 2**30:.1f} GiB"
             )
         return budget
+
+    def run_largest_step(self) -> None:
+        """Run the largest step the scheduler can plan, on a throwaway KV cache."""
+        plan, num_blocks = largest_step(self.config)
+        cfg = self.config
+        shape = (num_blocks, cfg.cache.block_size, cfg.model.num_kv_heads, cfg.model.head_dim)
+        layers = self._attention_layers()
+        saved = [(layer.k_cache, layer.v_cache) for layer in layers]
+        for layer in layers:
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        try:
+            self.run(plan)
+        finally:
+            for layer, (k, v) in zip(layers, saved):
+                layer.k_cache, layer.v_cache = k, v
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -250,6 +244,24 @@ class ModelRunner:
             return []
         eos = [] if sp.ignore_eos else list(self.eos_token_ids)
         return eos + sp.stop_token_ids
+
+
+def largest_step(config: EngineConfig) -> tuple[StepPlan, int]:
+    """A plan of max_num_batched_tokens prompt tokens over as few sequences as the limits
+    allow, and the KV pages it needs: the step with the most activation memory."""
+    sched, bs = config.scheduler, config.cache.block_size
+    n = min(sched.max_num_batched_tokens, sched.max_num_seqs * sched.max_model_len)
+    chunks, next_block = [], 0
+    for i, start in enumerate(range(0, n, sched.max_model_len)):
+        k = min(sched.max_model_len, n - start)
+        pages = math.ceil(k / bs)
+        chunks.append(ScheduledChunk(
+            request_id=f"profile-{i}", token_ids=[0] * k, start_pos=0,
+            block_ids=list(range(next_block, next_block + pages)), lora_slot=-1,
+            sample=True, sampling=SamplingParams(temperature=0), num_output_tokens=0,
+        ))
+        next_block += pages
+    return StepPlan(chunks=chunks), next_block
 
 
 def _count(n: int) -> str:
