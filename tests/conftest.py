@@ -16,6 +16,8 @@ import torch
 from loraplex.bench.synthetic import write_random_model
 
 DEVICE = os.environ.get("LORAPLEX_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":  # Triton kernels run on CPU tensors in the interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 DTYPE = os.environ.get("LORAPLEX_TEST_DTYPE", "float32")
 VOCAB = 384
 BOS, EOS = 1, 2
@@ -140,6 +142,7 @@ def make_llm(model_dir: Path, **kwargs):
     from loraplex import LLM
 
     kwargs.setdefault("device", DEVICE)
+    kwargs.setdefault("ops_backend", os.environ.get("LORAPLEX_TEST_BACKEND", "auto"))
     kwargs.setdefault("dtype", DTYPE)
     kwargs.setdefault("max_model_len", 256)
     kwargs.setdefault("max_loras", 4)

@@ -17,9 +17,13 @@ def _logprobs_of(positions, token_ids) -> torch.Tensor:
     return torch.tensor([pos[t].logprob for pos, t in zip(positions, token_ids)])
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_mixed_batch_matches_hf_and_peft(arch, model_dirs, adapter_dirs):
-    llm = make_llm(model_dirs[arch])
+CASES = [(arch, "auto") for arch in ARCHS] + [("qwen3", "triton"), ("mistral", "triton")]
+
+
+@pytest.mark.parametrize("arch,backend", CASES)
+def test_mixed_batch_matches_hf_and_peft(arch, backend, model_dirs, adapter_dirs):
+    """On CPU, "auto" is the torch reference and "triton" runs the kernels interpreted."""
+    llm = make_llm(model_dirs[arch], ops_backend=backend)
     prompts = random_prompts(3, (14, 40), seed=1)  # longer than mistral's window of 12
     variants = [None] + [
         LoRARequest(name, i + 1, str(adapter_dirs[arch][name])) for i, name in enumerate(ADAPTERS)

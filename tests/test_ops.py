@@ -13,7 +13,7 @@ from conftest import DEVICE
 from loraplex import ops
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]
 POPULARITY = ["distinct", "uniform", "zipf", "identical", "none", "mixed-with-base"]
 
 
@@ -166,17 +166,20 @@ def test_paged_attention(backend, window):
 
 def test_rms_norm_rotary_silu(backend):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(7, 48, generator=gen)
-    w = torch.randn(48, generator=gen)
+    x = torch.randn(7, 48, generator=gen).to(DEVICE)
+    w = torch.randn(48, generator=gen).to(DEVICE)
     ref = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
     assert torch.allclose(ops.rms_norm(x, w, 1e-6).double(), ref, rtol=1e-5, atol=1e-6)
 
-    q, k = torch.randn(7, 4, 16, generator=gen), torch.randn(7, 2, 16, generator=gen)
+    # q and k as views of a fused q/k/v output, as the model passes them.
+    qkv = torch.randn(7, (4 + 2 + 2) * 16, generator=gen)
+    q, k = qkv[:, :64].view(7, 4, 16), qkv[:, 64:96].view(7, 2, 16)
     positions = torch.tensor([0, 3, 1, 9, 9, 2, 15])
     inv = 1.0 / 10000 ** (torch.arange(0, 16, 2).double() / 16)
     ang = torch.arange(20).double()[:, None] * inv
     cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float()
-    rq, rk = ops.rotary_embedding(q, k, positions, cos_sin)
+    rq, rk = ops.rotary_embedding(q.to(DEVICE), k.to(DEVICE), positions.to(DEVICE), cos_sin.to(DEVICE))
+    rq, rk = rq.cpu(), rk.cpu()
     for t, p in enumerate(positions.tolist()):  # rotate pairs (i, i + D/2) by p * inv[i]
         c, s = ang[p].cos(), ang[p].sin()
         for src, got in ((q, rq), (k, rk)):
@@ -186,7 +189,40 @@ def test_rms_norm_rotary_silu(backend):
 
     h = torch.randn(5, 2 * 24, generator=gen)
     g, u = h[:, :24].double(), h[:, 24:].double()
-    assert torch.allclose(ops.silu_and_mul(h).double(), g * torch.sigmoid(g) * u, atol=1e-6)
+    got = ops.silu_and_mul(h.to(DEVICE)).double().cpu()
+    assert torch.allclose(got, g * torch.sigmoid(g) * u, atol=1e-6)
+
+
+def test_add_rms_norm_and_strided_heads(backend):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 40, generator=gen).to(DEVICE)
+    res = torch.randn(6, 40, generator=gen).to(DEVICE)
+    w = torch.randn(40, generator=gen).to(DEVICE)
+    out, new_res = ops.add_rms_norm(x, res, w, 1e-5)
+    s = (x + res).double()
+    ref = w.double() * s / (s.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert torch.equal(new_res, x + res)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    # q/k norm reads the heads of a fused projection output: a strided [T, H, D] view.
+    qkv = torch.randn(5, 3 * 4 * 16, generator=gen).to(DEVICE)
+    heads = qkv[:, 64:128].view(5, 4, 16)
+    wq = torch.randn(16, generator=gen).to(DEVICE)
+    got = ops.rms_norm(heads, wq, 1e-6)
+    h = heads.double()
+    want = wq.double() * h / (h.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_write_kv_cache_skips_padding(backend):
+    gen = torch.Generator().manual_seed(3)
+    kc = torch.zeros(4, 4, 2, 8, device=DEVICE)
+    vc = torch.zeros(4, 4, 2, 8, device=DEVICE)
+    k = torch.randn(3, 2, 8, generator=gen).to(DEVICE)
+    v = torch.randn(3, 2, 8, generator=gen).to(DEVICE)
+    slots = torch.tensor([5, -1, 14], device=DEVICE)
+    ops.write_kv_cache(k, v, kc, vc, slots)
+    assert torch.equal(kc.view(-1, 2, 8)[5], k[0]) and torch.equal(vc.view(-1, 2, 8)[14], v[2])
+    assert int((kc.view(-1, 2, 8).abs().sum((1, 2)) > 0).sum()) == 2
 
 
 def test_unknown_backend_lists_known():

@@ -179,6 +179,8 @@ class EngineConfig:
     device: str
     seed: int
     load_format: str  # "auto" (safetensors) or "dummy" (random weights)
+    ops_backend: str = "torch"  # "torch" (reference ops) or "triton" (kernels)
+    enforce_eager: bool = False  # True: no CUDA graphs
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

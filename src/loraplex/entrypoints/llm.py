@@ -31,7 +31,8 @@ class LLM:
 
     Arguments mirror vLLM's engine arguments. dtype="auto" takes the checkpoint's dtype
     on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
-    the model's max_position_embeddings.
+    the model's max_position_embeddings. ops_backend="auto" runs Triton kernels on GPU
+    and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs.
     """
 
     def __init__(
@@ -54,6 +55,8 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         num_gpu_blocks_override: int | None = None,
         max_logprobs: int = 20,
+        ops_backend: str = "auto",
+        enforce_eager: bool = False,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -70,6 +73,8 @@ class LLM:
             device=device,
             seed=seed,
             load_format="dummy" if load_format == "dummy" else "auto",
+            ops_backend=_resolve_backend(ops_backend, device),
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 block_size=block_size,
                 gpu_memory_utilization=gpu_memory_utilization,
@@ -175,6 +180,14 @@ def _broadcast(value, n: int, name: str) -> list:
             raise InvalidRequest(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _resolve_backend(name: str, device: str) -> str:
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"ops_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    return name
 
 
 def _resolve_dtype(dtype: str | torch.dtype, checkpoint: str, device: str) -> str:

@@ -25,10 +25,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h, residual)[0]
 
 
 class DenseCausalLM(nn.Module):

@@ -9,22 +9,36 @@ Layers call `loraplex.ops.<op>`; nothing else imports a backend directly.
 from __future__ import annotations
 
 import importlib
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 
 from loraplex.ops.metadata import AttentionBatch, LoRABatch
 
-_BACKENDS = {"torch": "loraplex.ops.reference"}
+_BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
 _impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
 
 
 def use_backend(name: str) -> None:
-    """Route every op to backend `name`."""
+    """Route every op to backend `name` ("torch", or "triton" on CUDA / TRITON_INTERPRET)."""
     global _impl
     if name not in _BACKENDS:
         raise ValueError(f"unknown ops backend {name!r}; known: {', '.join(_BACKENDS)}")
     _impl = importlib.import_module(_BACKENDS[name])
+
+
+@contextmanager
+def using_backend(name: str):
+    """Route ops to backend `name` inside the block (engines of different backends may
+    share a process)."""
+    global _impl
+    prev = _impl
+    use_backend(name)
+    try:
+        yield
+    finally:
+        _impl = prev
 
 
 def backend_name() -> str:
@@ -65,7 +79,8 @@ def write_kv_cache(
 ) -> None:
     """Semantics: k_cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t] (and v likewise).
 
-    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D].
+    k, v [T, Hkv, D]; caches [num_blocks, block_size, Hkv, D]; tokens with a negative
+    slot (padding) are skipped.
     """
     _impl.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
@@ -89,8 +104,18 @@ def paged_attention(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Semantics: weight * (x / sqrt(mean(x^2, -1) + eps)), the norm in float32."""
+    """Semantics: weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim, in float32.
+
+    x [..., N]: rows may be a strided view such as the heads of a [T, H, D] projection.
+    """
     return _impl.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, weight, eps), r)."""
+    return _impl.add_rms_norm(x, residual, weight, eps)
 
 
 def rotary_embedding(
@@ -111,6 +136,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "AttentionBatch",
+    "add_rms_norm",
     "LoRABatch",
     "backend_name",
     "lora_expand",
@@ -120,5 +146,6 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "use_backend",
+    "using_backend",
     "write_kv_cache",
 ]

@@ -64,7 +64,9 @@ class InputBuffers:
         self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
         self.group_ranks = _Buffer(max(1, max_loras), i32, device)
 
-    def prepare(self, plan: StepPlan, slot_ranks: list[int]) -> StepInputs:
+    def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None) -> StepInputs:
+        """Fill the buffers for `plan`. pad_to: a decode step run by a CUDA graph captured
+        for `pad_to` sequences; the rest are one-token padding sequences."""
         bs = self.block_size
         num_tokens, num_seqs = plan.num_tokens, len(plan.chunks)
         qsl, seq_lens, sample_chunks = [0], [], []
@@ -89,6 +91,10 @@ class InputBuffers:
             seq_lens.append(start + n)
         self.query_start_loc.np[: num_seqs + 1] = qsl
         self.seq_lens.np[:num_seqs] = seq_lens
+        if pad_to is not None:
+            assert num_tokens == num_seqs <= pad_to, "only decode steps are padded"
+            self._pad(num_seqs, pad_to)
+            num_tokens = num_seqs = pad_to
 
         attn = AttentionBatch(
             slot_mapping=self.slot_mapping.upload(num_tokens),
@@ -107,6 +113,56 @@ class InputBuffers:
             lora=self._lora(plan, num_tokens, slot_ranks),
             sample_rows=self.sample_rows.upload(len(sample_chunks)),
             sample_chunks=sample_chunks,
+        )
+
+    def _pad(self, start: int, end: int) -> None:
+        """Padding sequences [start, end): one token each, no KV slot, no context, no adapter."""
+        self.input_ids.np[start:end] = 0
+        self.positions.np[start:end] = 0
+        self.slot_mapping.np[start:end] = -1
+        self.token_slot.np[start:end] = -1
+        self.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        self.seq_lens.np[start:end] = 0
+
+    def graph_inputs(self, size: int, with_lora: bool) -> StepInputs:
+        """Static views of the buffers for capturing a decode graph of `size` sequences.
+
+        The views cover every row a replay may use; their contents at capture time are
+        padding. Kernels read only device tensors, so the graph serves any later batch.
+        """
+        self.query_start_loc.np[0] = 0
+        self._pad(0, size)
+        self.group_slots.np[:] = -1
+        self.group_starts.np[:] = 0
+        self.group_ranks.np[:] = 0
+        self.sorted_token_ids.np[:size] = np.arange(size)
+        n_groups = len(self.group_slots.np)
+        attn = AttentionBatch(
+            slot_mapping=self.slot_mapping.upload(size),
+            query_start_loc=self.query_start_loc.upload(size + 1),
+            seq_lens=self.seq_lens.upload(size),
+            block_tables=self.block_tables.upload(size, self.block_tables.np.shape[1]),
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[0] * size,
+            max_query_len=1,
+            max_seq_len=0,
+        )
+        lora = LoRABatch(
+            token_slot=self.token_slot.upload(size),
+            sorted_token_ids=self.sorted_token_ids.upload(size),
+            group_slots=self.group_slots.upload(n_groups),
+            group_starts=self.group_starts.upload(n_groups + 1),
+            group_ranks=self.group_ranks.upload(n_groups),
+            groups=[],
+            active=True,
+        ) if with_lora else None
+        return StepInputs(
+            input_ids=self.input_ids.upload(size),
+            positions=self.positions.upload(size),
+            attn=attn,
+            lora=lora,
+            sample_rows=self.sample_rows.upload(0),
+            sample_chunks=[],
         )
 
     def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int]) -> LoRABatch | None:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from loraplex import ops
 from loraplex.adapters.slots import LoRASlotBuffers
 from loraplex.adapters.store import AdapterStore
 from loraplex.config import EngineConfig
@@ -21,6 +22,7 @@ from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.models.registry import build_model
 from loraplex.models.weights import init_dummy, load_safetensors, projection_index
 from loraplex.runner.batch_meta import InputBuffers
+from loraplex.runner.cuda_graphs import DecodeGraphs
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
 from loraplex.types import (
     Logprob,
@@ -61,6 +63,13 @@ class ModelRunner:
         self._request_generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = config.model.eos_token_ids  # min_tokens bans these
         self.num_blocks = self._allocate_kv_cache()
+        self.graphs = None
+        if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None
+            )
+            with ops.using_backend(config.ops_backend):
+                self.graphs.capture()
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -158,6 +167,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
+        with ops.using_backend(self.config.ops_backend):
+            return self._run(plan)
+
+    def _run(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
         for slot, key in plan.lora_loads.items():
@@ -167,9 +180,15 @@ class ModelRunner:
         if not plan.chunks:
             return result
         ranks = self.lora_slots.ranks if self.lora_slots else []
-        inputs = self.inputs.prepare(plan, ranks)
-        with forward_context(ForwardContext(attn=inputs.attn, lora=inputs.lora)):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        graph_size = None
+        if self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks):
+            graph_size = self.graphs.padded_size(n_chunks)
+        inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size)
+        if graph_size is not None:
+            hidden = self.graphs.replay(graph_size, inputs.lora is not None)
+        else:
+            with forward_context(ForwardContext(attn=inputs.attn, lora=inputs.lora)):
+                hidden = self.model(inputs.input_ids, inputs.positions)
 
         if inputs.sample_chunks:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])

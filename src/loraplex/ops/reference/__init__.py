@@ -1,10 +1,16 @@
 """The plain-torch backend: every op, written for clarity; CPU path and test oracle."""
 
 from loraplex.ops.reference.attention import paged_attention, write_kv_cache
-from loraplex.ops.reference.elementwise import rms_norm, rotary_embedding, silu_and_mul
+from loraplex.ops.reference.elementwise import (
+    add_rms_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
 
 __all__ = [
+    "add_rms_norm",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

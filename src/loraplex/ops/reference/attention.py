@@ -16,6 +16,8 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
+    keep = slot_mapping >= 0  # negative slots mark padding tokens
+    k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 

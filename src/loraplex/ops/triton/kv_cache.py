@@ -1,0 +1,53 @@
+"""Store a step's keys and values into their KV cache slots.
+
+One program per token copies its [Hkv, D] key and value rows to slot
+slot_mapping[t] = page * PAGE + offset. A negative slot marks padding (tokens a CUDA
+graph runs for a batch smaller than it was captured for) and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    page, off = slot // PAGE, slot % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV) & (d < HEAD_DIM)
+    dst = page * stride_cb + off * stride_cs + h * stride_ch + d
+    tl.store(kc_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
+    tl.store(vc_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv, head_dim = k.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k.stride(-1) == 1 and v.stride(-1) == 1
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV=num_kv, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )

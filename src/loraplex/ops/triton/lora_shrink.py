@@ -1,0 +1,114 @@
+"""LoRA shrink: out[s, t, :r] = x[t] @ A[s, slot(t), :r].T, tokens grouped by adapter slot.
+
+Why this shape: a step's tokens arrive grouped by adapter (`LoRABatch`), so each program
+takes BLOCK_M tokens of one group and multiplies them by that group's A: a segmented
+GEMM (SGMV). In decode each group has a token or a few and the op is a skinny GEMV over
+in_features (K = 4096+): split-K spreads that K over many programs, which atomically add
+their fp32 partial sums. Only the group's own rank is read (masked columns of A are never
+loaded), and all slices of a fused projection (q/k/v, gate/up) run in one launch.
+The grid depends only on the token count and max_loras, never on the adapter mix, so one
+CUDA graph serves every batch composition.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.metadata import LoRABatch
+
+
+def shrink_config(num_tokens: int, in_features: int) -> dict:
+    """Block sizes by regime: decode (few tokens per group) or prefill."""
+    if num_tokens <= 64:
+        return dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8, num_warps=4)
+    return dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, out_ptr,
+    sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr,
+    K,
+    stride_xm, stride_xk,
+    stride_as, stride_al, stride_ar, stride_ak,
+    stride_os, stride_om, stride_or,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_sk = tl.program_id(0)  # slice * SPLIT_K + k-split
+    pid_m = tl.program_id(1)
+    group = tl.program_id(2)
+    s = pid_sk // SPLIT_K
+    k_split = pid_sk % SPLIT_K
+    slot = tl.load(group_slots_ptr + group)
+    if slot < 0:
+        return
+    start = tl.load(group_starts_ptr + group)
+    end = tl.load(group_starts_ptr + group + 1)
+    m0 = start + pid_m * BLOCK_M
+    if m0 >= end:
+        return
+    rank = tl.load(group_ranks_ptr + group)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tokens = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + tokens[:, None] * stride_xm
+    a_cols = a_ptr + s * stride_as + slot * stride_al + offs_r[None, :] * stride_ar
+
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(k_split * k_chunk, tl.minimum((k_split + 1) * k_chunk, K), BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+            a = tl.load(a_cols + k[:, None] * stride_ak, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = k < K
+            x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            a = tl.load(a_cols + k[:, None] * stride_ak, mask=r_mask[None, :] & k_mask[:, None],
+                        other=0.0)
+        acc += tl.dot(x, a, input_precision=DOT_PRECISION)
+
+    out = out_ptr + s * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or
+    mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    num_slices, max_loras, max_rank, in_features = lora_a.shape
+    num_tokens = x.shape[0]
+    assert x.shape[1] == in_features, (x.shape, lora_a.shape)
+    assert x.dtype == lora_a.dtype, (x.dtype, lora_a.dtype)
+    cfg = shrink_config(num_tokens, in_features)
+    split_k = cfg["SPLIT_K"]
+    out = (torch.zeros if split_k > 1 else torch.empty)(
+        num_slices, num_tokens, max_rank, dtype=torch.float32, device=x.device
+    )
+    grid = (num_slices * split_k, triton.cdiv(num_tokens, cfg["BLOCK_M"]), max_loras)
+    _lora_shrink_kernel[grid](
+        x, lora_a, out,
+        batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
+        in_features,
+        x.stride(0), x.stride(1),
+        *lora_a.stride(),
+        *out.stride(),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_K=split_k,
+        EVEN_K=in_features % (cfg["BLOCK_K"] * split_k) == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+    )
+    return out

@@ -1,0 +1,138 @@
+"""Attention over the paged KV cache for prefill chunks and decodes alike (flash style).
+
+Each program owns one sequence, one KV head and a block of query rows. A row is one
+(query token, query head) pair of that KV head's group, so with grouped-query attention
+a decode token brings all its query heads (e.g. 4) into one tile and each key/value page
+is read once for the whole group. The program walks the sequence's block table over the
+visible keys (causal, optionally a sliding window), keeping a running max and sum
+(online softmax), so no score matrix is ever materialised. New tokens' keys/values are
+already in the cache (write_kv_cache runs first): a chunk appended to a cached prefix
+and a single decode token are the same case.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.metadata import AttentionBatch
+
+
+def attention_config(max_query_len: int, group: int) -> dict:
+    if max_query_len == 1:  # decode: one token's heads per tile
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale, window,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP  # query token index within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = (rows // GROUP < BLOCK_Q) & (tok < q_len)
+    pos = ctx_len - q_len + tok  # absolute position of each row's query token
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    last_pos = ctx_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
+    kv_end = last_pos + 1
+    kv_begin = 0
+    if USE_WINDOW:
+        first_pos = ctx_len - q_len + q_block * BLOCK_Q
+        kv_begin = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    for n0 in range(kv_begin, kv_end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < kv_end
+        page = tl.load(table + n // PAGE, mask=n_mask, other=0)
+        k_off = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        v_off = page * stride_vb + (n % PAGE) * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
+                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            visible = visible & (n[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(
+        out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    cfg = attention_config(batch.max_query_len, group)
+    block_q = cfg["BLOCK_M"] // group
+    assert block_q >= 1, "a tile must hold at least one token's query heads"
+    grid = (triton.cdiv(batch.max_query_len, block_q), batch.num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        scale, sliding_window or 0,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        batch.block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=page, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,71 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+One program per row. With a residual, the sum x + residual is rounded to the model dtype
+(as the unfused model computes it), stored as the new residual stream, and normalised in
+float32; the normalised row is rounded before the weight multiplies it, as in Hugging
+Face's RMSNorm. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    N, eps,
+    stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
+    INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    outer, inner = row // INNER, row % INNER
+    offs = tl.arange(0, BLOCK_N)
+    mask = offs < N
+    x = tl.load(x_ptr + outer * stride_x0 + inner * stride_x1 + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r0 + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(dtype)
+        tl.store(res_out_ptr + row * stride_r0 + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y.to(dtype), mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    n = x.shape[-1]
+    assert x.stride(-1) == 1 and weight.shape == (n,), (x.stride(), weight.shape)
+    x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [outer, inner, N]
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(residual) if residual is not None else None
+    if residual is not None:
+        assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
+    rows = x3.shape[0] * x3.shape[1]
+    _rms_norm_kernel[(rows,)](
+        x3, residual if residual is not None else x3, weight, out,
+        res_out if res_out is not None else out,
+        n, eps,
+        x3.stride(0), x3.stride(1),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0), out.stride(1),
+        INNER=x3.shape[1], HAS_RESIDUAL=residual is not None,
+        BLOCK_N=triton.next_power_of_2(n),
+        num_warps=4 if n <= 4096 else 8,
+    )
+    return out.view(x.shape), res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(x, residual, weight, eps)
