@@ -13,7 +13,17 @@ import pytest
 import torch
 
 from loraplex.bench.synthetic import write_word_tokenizer
+from loraplex.engine import detokenizer as detokenizer_module
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+
+
+@pytest.fixture(autouse=True, params=["rust", "python"])
+def detokenizer_impl(request, monkeypatch):
+    """Every test runs against both implementations: tokenizers' DecodeStream and the
+    Python fallback."""
+    if request.param == "python":
+        monkeypatch.setattr(detokenizer_module, "DecodeStream", None)
+    return request.param
 
 FFFD = "\ufffd"
 

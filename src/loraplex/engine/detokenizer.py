@@ -6,22 +6,38 @@ splits one character over several tokens). So each new token is decoded together
 few tokens before it, and only the text past what those tokens already produced is
 emitted; text ending in an incomplete character (U+FFFD) is held back until the next
 token completes it.
+
+Tokenizers backed by Hugging Face `tokenizers` do this in Rust (`DecodeStream`, primed
+with the prompt's last tokens), a few microseconds a token; others use the same
+algorithm in Python.
 """
 
 from __future__ import annotations
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # older tokenizers
+    DecodeStream = None
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output token
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 use_rust: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # _ids[:_read] is context whose text was already emitted (or is prompt).
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._read = len(self._ids)
         self.num_tokens = 0  # output tokens consumed so far
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if use_rust else None
+        self._stream = None
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            if self._ids:
+                self._stream.step(self._backend, self._ids)  # context only: text dropped
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -29,6 +45,8 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
         self.num_tokens += 1
+        if self._stream is not None:
+            return self._stream.step(self._backend, token_id) or ""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[: self._read])
         text = self._decode(self._ids)

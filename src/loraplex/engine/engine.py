@@ -50,6 +50,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.runner.eos_token_ids = self.eos_token_ids
         self._live: dict[str, _Live] = {}
+        self.num_steps = 0
 
     # -- requests ------------------------------------------------------------------------
 
@@ -97,6 +98,13 @@ class LLMEngine:
             if n is not None and n > self.max_logprobs:
                 raise InvalidRequest(f"{name}={n} exceeds max_logprobs={self.max_logprobs}")
 
+    def load_adapter(self, lora_request: LoRARequest) -> None:
+        """Load and validate an adapter ahead of its requests (vLLM's --lora-modules)."""
+        if self.adapters is None:
+            raise LoRADisabled(lora_request.lora_name, "engine started with max_loras=0")
+        self.adapters.acquire(lora_request)
+        self.adapters.release(lora_request.key)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         live = self._live.get(request_id)
         if live is None:
@@ -113,6 +121,7 @@ class LLMEngine:
         """Run one step; return an output for every request that progressed or ended."""
         plan = self.scheduler.schedule()
         result = self.runner.run(plan)
+        self.num_steps += 1
         touched = self.scheduler.update(plan, result)
         outputs = []
         for req in touched:

@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.set_defaults(func=_generate)
 
+    from loraplex.bench import run as bench
+
+    b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
+    bench.add_arguments(b)
+    b.set_defaults(func=bench.main)
+
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU session: tests on the GPU, kernel rooflines, decode profile, serving benchmark.
+# Usage: OUT=results_dir bash benchmarks/gpu_session.sh [tests] [kernels] [profile] [bench]
+set -u
+OUT=${OUT:-./gpu-results}; mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+STEPS=${*:-tests kernels profile bench}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+for step in $STEPS; do
+  echo "=== $step"
+  case $step in
+    tests)
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -x -q \
+        -p no:cacheprovider 2>&1 | tail -25 > "$OUT/tests-bf16.log"; tail -5 "$OUT/tests-bf16.log" ;;
+    tests32)
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=float32 timeout 400 python3 -m pytest -x -q \
+        -p no:cacheprovider 2>&1 | tail -25 > "$OUT/tests-fp32.log"; tail -5 "$OUT/tests-fp32.log" ;;
+    kernels)
+      timeout 300 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" | tail -60 ;;
+    profile)
+      timeout 300 python3 benchmarks/profile_decode.py --cache-dir /tmp/lp 2>&1 | grep -v "it/s" > "$OUT/profile.txt"; grep -E "engine step|Self CUDA" "$OUT/profile.txt" ;;
+    bench)
+      timeout 500 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 32 \
+        --num-prompts ${PROMPTS:-512} --max-concurrency 32 --input-len 512 --output-len 128 \
+        --cache-dir /tmp/lp --result-json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
+        | grep -v "it/s" > "$OUT/bench.txt"; tail -6 "$OUT/bench.txt" ;;
+  esac
+done

@@ -1,0 +1,168 @@
+"""Kernel microbenchmarks on Llama-3.1-8B shapes, each against its memory/compute floor.
+
+    python benchmarks/kernels.py [--out results.json]
+
+Each case: median time (CUDA-graph replay, so launch gaps do not count), the bytes it
+must move and FLOPs it must do, and the fraction of the floor achieved. Floors use the
+measured H200 ceilings unless --bandwidth / --tflops say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+from loraplex import ops
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+PROJECTIONS = {  # name: (in, [slice outs])
+    "qkv": (HIDDEN, [4096, 1024, 1024]),
+    "o": (HIDDEN, [4096]),
+    "gate_up": (HIDDEN, [INTER, INTER]),
+    "down": (INTER, [HIDDEN]),
+}
+
+
+def bench(fn) -> float:
+    """Median milliseconds of fn replayed from a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def lora_batch(slots: list[int], ranks: list[int], max_loras: int, device) -> LoRABatch:
+    import numpy as np
+
+    s = np.asarray(slots)
+    order = np.argsort(np.where(s < 0, max_loras, s), kind="stable")
+    groups, start = [], 0
+    for slot in sorted(set(slots) - {-1}):
+        n = int((s == slot).sum())
+        groups.append(LoRAGroup(slot, start, start + n, ranks[slot]))
+        start += n
+    pad = max_loras - len(groups)
+    i32 = dict(dtype=torch.int32, device=device)
+    return LoRABatch(
+        token_slot=torch.tensor(slots, **i32),
+        sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=device),
+        group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
+        group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
+        group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
+        groups=groups,
+    )
+
+
+def lora_cases(bw, tflops, rank=16, max_loras=32):
+    dev = "cuda"
+    rows = []
+    for tokens, adapters, label in [(32, 32, "decode 32 tok, 32 adapters"),
+                                    (32, 8, "decode 32 tok, 8 adapters"),
+                                    (32, 1, "decode 32 tok, 1 adapter"),
+                                    (8192, 32, "prefill 8192 tok, 32 adapters")]:
+        slots = [i % adapters for i in range(tokens)]
+        batch = lora_batch(slots, [rank] * max_loras, max_loras, dev)
+        for name, (k, outs) in PROJECTIONS.items():
+            n = sum(outs)
+            x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+            a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16) / k**0.5
+            b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16) * 0.01
+            y = x @ w.T
+            buf = ops.lora_shrink(x, a, batch)
+            t_base = bench(lambda: torch.mm(x, w.T))
+            t_shrink = bench(lambda: ops.lora_shrink(x, a, batch))
+            t_expand = bench(lambda: ops.lora_expand(buf, b, y, tuple(outs), batch))
+            used = adapters
+            # Floors: each active adapter's A and B read once; x read, y read + written.
+            shrink_bytes = used * len(outs) * rank * k * 2 + tokens * k * 2
+            expand_bytes = used * n * rank * 2 + 2 * tokens * n * 2
+            base_bytes = n * k * 2 + tokens * (k + n) * 2
+            lora_flops = 2 * tokens * rank * (k * len(outs) + n)
+            for op, t, nbytes, flops in [("base GEMM (cuBLAS)", t_base, base_bytes, 2 * tokens * n * k),
+                                         ("lora_shrink", t_shrink, shrink_bytes, 2 * tokens * rank * k * len(outs)),
+                                         ("lora_expand", t_expand, expand_bytes, 2 * tokens * rank * n)]:
+                floor = max(nbytes / bw, flops / tflops) * 1e3
+                rows.append(dict(case=label, proj=name, op=op, ms=t, floor_ms=floor,
+                                 frac=floor / t, MB=nbytes / 1e6, GFLOP=flops / 1e9))
+            del lora_flops
+    return rows
+
+
+def attention_cases(bw, tflops):
+    dev, page = "cuda", 16
+    rows = []
+    for label, seqs in [("decode 32 seqs x ctx 640", [(639, 1)] * 32),
+                        ("decode 32 seqs x ctx 2048", [(2047, 1)] * 32),
+                        ("prefill 16 seqs x 512 new", [(0, 512)] * 16),
+                        ("prefill chunk 512 on 1536 cached x 4", [(1536, 512)] * 4)]:
+        num_pages = sum(math.ceil((c + n) / page) for c, n in seqs)
+        kc = torch.randn(num_pages, page, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        tables, qsl, lens, nxt = [], [0], [], 0
+        for c, n in seqs:
+            p = math.ceil((c + n) / page)
+            tables.append(list(range(nxt, nxt + p)))
+            nxt += p
+            qsl.append(qsl[-1] + n)
+            lens.append(c + n)
+        width = max(map(len, tables))
+        i32 = dict(dtype=torch.int32, device=dev)
+        batch = AttentionBatch(
+            slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(lens, **i32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32),
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+            max_query_len=max(n for _, n in seqs), max_seq_len=max(lens),
+        )
+        q = torch.randn(qsl[-1], HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        t = bench(lambda: ops.paged_attention(q, kc, vc, batch, HEAD_DIM**-0.5, None))
+        kv_bytes = sum((c + n) for c, n in seqs) * KV_HEADS * HEAD_DIM * 2 * 2
+        nbytes = kv_bytes + 2 * q.numel() * 2
+        flops = sum(4 * n * (c + n / 2) * HEADS * HEAD_DIM for c, n in seqs)
+        floor = max(nbytes / bw, flops / tflops) * 1e3
+        rows.append(dict(case=label, proj="-", op="paged_attention", ms=t, floor_ms=floor,
+                         frac=floor / t, MB=nbytes / 1e6, GFLOP=flops / 1e9))
+    return rows
+
+
+def elementwise_cases(bw):
+    dev, rows = "cuda", []
+    x = torch.randn(32, HIDDEN, device=dev, dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.randn(HIDDEN, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(32, 2 * INTER, device=dev, dtype=torch.bfloat16)
+    for name, fn, nbytes in [
+        ("add_rms_norm [32,4096]", lambda: ops.add_rms_norm(x, r, w, 1e-5), 4 * x.numel() * 2),
+        ("silu_and_mul [32,2x14336]", lambda: ops.silu_and_mul(gu), 1.5 * gu.numel() * 2),
+    ]:
+        t = bench(fn)
+        floor = nbytes / bw * 1e3
+        rows.append(dict(case="decode", proj="-", op=name, ms=t, floor_ms=floor, frac=floor / t,
+                         MB=nbytes / 1e6, GFLOP=0.0))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s (H200 measured)")
+    p.add_argument("--tflops", type=float, default=790e12, help="bf16 FLOP/s (H200 measured)")
+    args = p.parse_args()
+    ops.use_backend("triton")
+    rows = lora_cases(args.bandwidth, args.tflops) + attention_cases(args.bandwidth, args.tflops)
+    rows += elementwise_cases(args.bandwidth)
+    print(f"{'case':38} {'proj':8} {'op':22} {'ms':>8} {'floor':>8} {'frac':>6}")
+    for r in rows:
+        print(f"{r['case']:38} {r['proj']:8} {r['op']:22} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['frac']:6.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

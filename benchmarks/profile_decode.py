@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: wall time per engine step vs. GPU time of the graph
+replay alone, and the per-kernel breakdown of the replay (torch.profiler).
+
+    python benchmarks/profile_decode.py [--model llama-3.1-8b] [--batch 32] [--adapters 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.bench.workload import prepare_adapters, prepare_model_dir
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    args = p.parse_args()
+
+    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
+              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256)
+    engine, runner = llm.engine, llm.engine.runner
+    shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
+    paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes, args.adapters, 16)
+    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in enumerate(paths)]
+
+    for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
+        sp = SamplingParams(temperature=1.0, max_tokens=args.steps + 20, ignore_eos=True)
+        for i in range(args.batch):
+            lora = loras[i % len(loras)] if use and loras else None
+            engine.add_request(f"{label}-{i}", [1000 + i] * args.prompt_len, sp, lora)
+        while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / args.steps * 1e3
+
+        size = runner.graphs.padded_size(args.batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        runner.graphs.replay(size, use)
+        start.record()
+        for _ in range(20):
+            runner.graphs.replay(size, use)
+        end.record()
+        torch.cuda.synchronize()
+        gpu = start.elapsed_time(end) / 20
+        print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
+              f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.step()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort_request(r.request_id)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""`loraplex bench`: serving benchmark in the manner of `vllm bench serve` (random dataset).
+
+Each value of --num-adapters is one run over the same workload shape: 0 is the base
+model; K > 0 spreads requests over K adapters (uniform or Zipf). In-process runs build
+the engine once, pre-load the adapters (as vLLM's --lora-modules does) and warm up every
+kernel before timing. With --base-url the same workload goes to an OpenAI-compatible
+server, each adapter named bench-adapter-<i>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from loraplex.bench.clients import run_http, run_in_process
+from loraplex.bench.report import format_table, plot, summarize, to_json
+from loraplex.bench.synthetic import LINEAR_TARGETS
+from loraplex.bench.workload import make_requests, prepare_adapters, prepare_model_dir
+from loraplex.types import LoRARequest, SamplingParams
+
+logger = logging.getLogger("loraplex")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="model directory, or a bundled config: llama-3.1-8b, qwen3-8b, qwen3-0.6b")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--num-adapters", type=int, nargs="+", default=[0],
+                   help="one run per value; 0 = base model")
+    p.add_argument("--adapter-dist", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS))
+    p.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: max K)")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    p.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--result-json", default=None)
+    p.add_argument("--plot", default=None, metavar="PNG")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    cache = Path(args.cache_dir)
+    model_dir, dummy = prepare_model_dir(args.model, cache)
+    results = []
+    if args.base_url:
+        vocab = _vocab_size(model_dir)
+        for k in args.num_adapters:
+            reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
+                                 args.adapter_dist, args.seed)
+            names = [f"bench-adapter-{i}" for i in range(k)]
+            records = run_http(args.base_url, args.served_model_name or str(args.model), reqs,
+                               names, args.max_concurrency, args.api_key)
+            results.append(summarize(_label(args, k), records))
+    else:
+        results = _run_in_process(args, model_dir, dummy)
+    print(format_table(results))
+    if args.result_json:
+        Path(args.result_json).write_text(to_json(results))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+def _label(args, k: int) -> str:
+    who = "base" if k == 0 else f"{k} adapters ({args.adapter_dist})"
+    return f"{args.model} {args.input_len}/{args.output_len} c{args.max_concurrency} {who}"
+
+
+def _vocab_size(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+def _run_in_process(args, model_dir: Path, dummy: bool):
+    from loraplex import LLM
+
+    max_k = max(args.num_adapters)
+    max_model_len = args.max_model_len or args.input_len + args.output_len + 16
+    llm = LLM(
+        str(model_dir), dtype=args.dtype, load_format="dummy" if dummy else "auto",
+        seed=args.seed, max_loras=args.max_loras or max(1, max_k),
+        max_lora_rank=args.lora_rank, max_cpu_loras=max(max_k, 1),
+        max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+        enforce_eager=args.enforce_eager,
+    )
+    engine = llm.engine
+    vocab = llm.config.model.vocab_size
+    adapters = []
+    if max_k:
+        shapes = {k: (p.in_features, p.out_features) for k, p in engine.runner.projections.items()}
+        t0 = time.perf_counter()
+        paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
+                                 projections=shapes, count=max_k, rank=args.lora_rank,
+                                 targets=tuple(args.lora_targets))
+        adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        for lora in adapters:
+            engine.load_adapter(lora)
+        logger.info("%d adapters ready in %.1f s", max_k, time.perf_counter() - t0)
+
+    _warm_up(llm, adapters, args)
+    results = []
+    for k in args.num_adapters:
+        reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
+                             args.adapter_dist, args.seed)
+        steps_before = engine.num_steps
+        records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
+        extra = {"engine_steps": engine.num_steps - steps_before}
+        results.append(summarize(_label(args, k), records, extra))
+        logger.info("%s", format_table(results[-1:]))
+    return results
+
+
+def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
+    """Compile every kernel variant and load each adapter into a GPU slot, untimed."""
+    t0 = time.perf_counter()
+    n = max(args.max_concurrency, len(adapters), 1)
+    prompts = [[1000 + (i * 7) % 500] * args.input_len for i in range(n)]
+    loras = [adapters[i % len(adapters)] if adapters and i % 2 else None for i in range(n)]
+    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    llm.generate(prompts, sp, loras, use_tqdm=False)
+    if adapters:
+        llm.generate(prompts[: len(adapters)], sp, adapters, use_tqdm=False)
+    logger.info("warm-up done in %.1f s", time.perf_counter() - t0)

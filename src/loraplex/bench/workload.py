@@ -1,0 +1,84 @@
+"""Benchmark workloads in the manner of `vllm bench serve --dataset-name random`.
+
+N prompts of exactly `input_len` tokens (random ids; with the word tokenizer the text
+`t<i> t<j> ...` encodes to exactly those ids), each asking for `output_len` tokens with
+ignore_eos, each assigned an adapter: uniformly or Zipf over K adapters, or none.
+Also prepares what a run needs: a model directory (a real one, or a bundled config with
+a word tokenizer for dummy weights) and K random PEFT adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from loraplex.bench.synthetic import LINEAR_TARGETS, write_random_adapter, write_word_tokenizer
+
+BUNDLED_CONFIGS = ("llama-3.1-8b", "qwen3-8b", "qwen3-0.6b")
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    adapter: int | None  # index into the adapter list, None: base model
+
+
+def make_requests(
+    num_prompts: int, input_len: int, output_len: int, vocab_size: int,
+    num_adapters: int, distribution: str, seed: int,
+) -> list[BenchRequest]:
+    rng = np.random.default_rng(seed)
+    if num_adapters == 0 or distribution == "none":
+        picks = [None] * num_prompts
+    elif distribution == "uniform":
+        picks = rng.integers(0, num_adapters, num_prompts).tolist()
+    elif distribution == "zipf":  # P(adapter k) ~ 1 / (k + 1)
+        weights = 1.0 / np.arange(1, num_adapters + 1)
+        picks = rng.choice(num_adapters, num_prompts, p=weights / weights.sum()).tolist()
+    else:
+        raise ValueError(f"unknown adapter distribution {distribution!r}; known: uniform, zipf, none")
+    # Skip the lowest ids, where special tokens usually sit.
+    prompts = rng.integers(min(1000, vocab_size // 4), vocab_size, (num_prompts, input_len))
+    return [BenchRequest(p.tolist(), output_len, a) for p, a in zip(prompts, picks)]
+
+
+def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
+    """A model directory for `model`: a path as is, or a bundled config name -> a directory
+    with that config.json and a word tokenizer (weights: dummy). Returns (dir, is_dummy)."""
+    if Path(model).is_dir():
+        return Path(model), not any(Path(model).glob("*.safetensors"))
+    if model not in BUNDLED_CONFIGS:
+        raise ValueError(f"{model!r} is neither a directory nor a bundled config ({', '.join(BUNDLED_CONFIGS)})")
+    out = cache_dir / model
+    if not (out / "tokenizer.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        src = resources.files("loraplex.bench") / "configs" / model / "config.json"
+        with resources.as_file(src) as f:
+            shutil.copy(f, out / "config.json")
+        config = json.loads((out / "config.json").read_text())
+        write_word_tokenizer(out, config["vocab_size"])
+    return out, True
+
+
+def prepare_adapters(
+    cache_dir: Path, model_name: str, projections: dict[str, tuple[int, int]], count: int,
+    rank: int, targets: tuple[str, ...] = LINEAR_TARGETS,
+) -> list[Path]:
+    """`count` random bf16 PEFT adapters (A ~ N(0, 1/in), B ~ N(0, 1e-4)), cached on disk."""
+    import torch
+
+    root = cache_dir / f"{model_name}-adapters-r{rank}-{'-'.join(sorted(targets))}"
+    paths = []
+    for i in range(count):
+        path = root / f"adapter-{i}"
+        if not (path / "adapter_model.safetensors").is_file():
+            write_random_adapter(path, projections, rank, targets=targets, b_std=1e-4, seed=i,
+                                 dtype=torch.bfloat16)
+        paths.append(path)
+    return paths
