@@ -93,6 +93,59 @@ def lora_cases(bw, tflops, rank=16, max_loras=32):
     return rows
 
 
+def decode_sweep(rank=16, max_loras=32, tokens=32):
+    """Decode LoRA configs (32 tokens, 32 adapters): split-K of shrink, BLOCK_N of expand."""
+    from loraplex.ops.triton import lora_expand as expand_mod
+    from loraplex.ops.triton import lora_shrink as shrink_mod
+
+    dev, rows = "cuda", []
+    batch = lora_batch(list(range(tokens)), [rank] * max_loras, max_loras, dev)
+    for name, (k, outs) in PROJECTIONS.items():
+        n = sum(outs)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16)
+        y = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+        for split in (1, 2, 4, 8):
+            shrink_mod.SHRINK_DECODE_SPLIT_K = split
+            rows.append(dict(proj=name, op=f"shrink split_k={split}",
+                             ms=bench(lambda: ops.lora_shrink(x, a, batch))))
+        buf = ops.lora_shrink(x, a, batch)
+        for bn in (64, 128, 256, 512):
+            expand_mod.EXPAND_DECODE_BLOCK_N = bn
+            rows.append(dict(proj=name, op=f"expand block_n={bn}",
+                             ms=bench(lambda: ops.lora_expand(buf, b, y, tuple(outs), batch))))
+    shrink_mod.SHRINK_DECODE_SPLIT_K, expand_mod.EXPAND_DECODE_BLOCK_N = 4, 256
+    return rows
+
+
+def projection_cases(rank=16, max_loras=32, tokens=32):
+    """A whole LoRALinear in decode: base only, base + LoRA serial, shrink on a 2nd stream."""
+    from loraplex.layers.context import ForwardContext, forward_context
+    from loraplex.layers.linear import LoRALinear
+
+    dev, rows = "cuda", []
+    batch = lora_batch(list(range(tokens)), [rank] * max_loras, max_loras, dev)
+    batch.groups = []  # as in a CUDA graph
+    aux = torch.cuda.Stream()
+    for name, (k, outs) in PROJECTIONS.items():
+        layer = LoRALinear(k, outs, [f"s{i}" for i in range(len(outs))]).to(dev, torch.bfloat16)
+        layer.weight.data.normal_(0, 0.02)
+        layer.lora_a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16)
+        layer.lora_b = torch.randn(max_loras, sum(outs), rank, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        for label, lora, stream in [("base only", None, None), ("base+lora serial", batch, None),
+                                    ("base+lora, shrink on aux stream", batch, aux)]:
+            ctx = ForwardContext(attn=None, lora=lora, aux_stream=stream)
+
+            def fn(ctx=ctx):
+                with forward_context(ctx):
+                    layer(x)
+
+            rows.append(dict(proj=name, op=label, ms=bench(fn)))
+    return rows
+
+
 def attention_cases(bw, tflops):
     dev, page = "cuda", 16
     rows = []
@@ -159,9 +212,12 @@ def main():
     print(f"{'case':38} {'proj':8} {'op':22} {'ms':>8} {'floor':>8} {'frac':>6}")
     for r in rows:
         print(f"{r['case']:38} {r['proj']:8} {r['op']:22} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['frac']:6.2f}")
+    extra = decode_sweep() + projection_cases()
+    for r in extra:
+        print(f"{'decode 32 tok, 32 adapters':38} {r['proj']:8} {r['op']:34} {r['ms']:8.4f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(rows + extra, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,24 @@ def lora_batch(slots: list[int], ranks: list[int], max_loras: int) -> LoRABatch:
     )
 
 
+LORA_SHAPES = [(1, 64, (48,)), (37, 72, (40, 24, 24)), (130, 33, (17, 51))]
+
+
 @pytest.mark.parametrize("popularity", POPULARITY)
-@pytest.mark.parametrize("num_tokens,in_f,sizes", [(1, 64, (48,)), (37, 72, (40, 24, 24)), (130, 33, (17, 51))])
+@pytest.mark.parametrize("num_tokens,in_f,sizes", LORA_SHAPES)
 def test_lora_shrink_expand(backend, popularity, num_tokens, in_f, sizes):
+    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid=False)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens,in_f,sizes", LORA_SHAPES)
+def test_lora_kernels_on_graph_grid(popularity, num_tokens, in_f, sizes):
+    """Groups known only on the device, as inside a CUDA graph (the kernels' static grid)."""
+    with ops.using_backend("triton"):
+        check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid=True)
+
+
+def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid):
     gen = torch.Generator().manual_seed(num_tokens * 7 + len(sizes))
     max_loras, max_rank = 5, 16
     ranks = [16, 8, 3, 1, 12]
@@ -86,6 +101,8 @@ def test_lora_shrink_expand(backend, popularity, num_tokens, in_f, sizes):
 
     dev = dict(device=DEVICE)
     batch = lora_batch(slots, ranks, max_loras)
+    if graph_grid:
+        batch.active, batch.groups = any(s >= 0 for s in slots), []
     y = y0.to(**dev)
     buf = ops.lora_shrink(x.to(**dev), a.to(**dev), batch)
     assert buf.shape == (len(sizes), num_tokens, max_rank) and buf.dtype == torch.float32

@@ -9,6 +9,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from loraplex.ops.metadata import AttentionBatch, LoRABatch
 
 
@@ -16,6 +18,8 @@ from loraplex.ops.metadata import AttentionBatch, LoRABatch
 class ForwardContext:
     attn: AttentionBatch
     lora: LoRABatch | None  # None: no token of this step uses an adapter
+    # A second CUDA stream on which LoRA shrink overlaps the base matmul (None: serial).
+    aux_stream: torch.cuda.Stream | None = None
 
 
 _current: ForwardContext | None = None

@@ -40,10 +40,20 @@ class LoRALinear(nn.Module):
         return slice(start, start + self.output_sizes[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        if self.lora_a is not None:
-            lora = get_forward_context().lora
-            if lora is not None and lora.active:
-                buf = ops.lora_shrink(x, self.lora_a, lora)
-                ops.lora_expand(buf, self.lora_b, y, self.output_sizes, lora)
+        ctx = get_forward_context() if self.lora_a is not None else None
+        if ctx is None or ctx.lora is None or not ctx.lora.active:
+            return F.linear(x, self.weight, self.bias)
+        if ctx.aux_stream is None:
+            buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            # Shrink reads only x: run it beside the base matmul. The aux stream always
+            # starts by waiting on the main one, so memory it frees is never reused early.
+            main = torch.cuda.current_stream()
+            ctx.aux_stream.wait_stream(main)
+            with torch.cuda.stream(ctx.aux_stream):
+                buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
+            y = F.linear(x, self.weight, self.bias)
+            main.wait_stream(ctx.aux_stream)
+        ops.lora_expand(buf, self.lora_b, y, self.output_sizes, ctx.lora)
         return y

@@ -7,7 +7,7 @@ graph); `*_cpu` fields are host copies for the reference ops, which loop in Pyth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,3 +49,5 @@ class LoRABatch:
     # Some token uses an adapter. Kernels read only the device tensors above, so a CUDA
     # graph captured once serves any mix of adapters and base tokens.
     active: bool = True
+    # Per-step values derived by backends (e.g. kernel tilings), computed once per step.
+    cache: dict = field(default_factory=dict, repr=False)

@@ -30,8 +30,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int, with_lora: bool):
+    def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
+                 with_lora: bool, aux_stream: torch.cuda.Stream | None = None):
         self.model = model
+        self.aux_stream = aux_stream
         self.inputs = inputs
         self.sizes = graph_batch_sizes(max_batch)
         self.lora_variants = (False, True) if with_lora else (False,)
@@ -44,7 +46,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             for lora in self.lora_variants:
                 step = self.inputs.graph_inputs(size, lora)
-                ctx = ForwardContext(attn=step.attn, lora=step.lora)
+                ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=self.aux_stream)
                 with forward_context(ctx):
                     self.model(step.input_ids, step.positions)  # compile kernels, warm up
                     torch.cuda.synchronize()

@@ -62,11 +62,14 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = config.model.eos_token_ids  # min_tokens bans these
+        self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
+        use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
+        self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
         self.num_blocks = self._allocate_kv_cache()
-        self.graphs = None
         if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
-                self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None
+                self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None,
+                self.aux_stream,
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
@@ -187,7 +190,8 @@ class ModelRunner:
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size, inputs.lora is not None)
         else:
-            with forward_context(ForwardContext(attn=inputs.attn, lora=inputs.lora)):
+            ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=self.aux_stream)
+            with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
         if inputs.sample_chunks:

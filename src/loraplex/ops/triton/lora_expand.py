@@ -14,41 +14,50 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.lora_tiles import lora_tiles
 
 
 def expand_config(num_tokens: int) -> dict:
-    if num_tokens <= 64:
-        return dict(BLOCK_M=16, BLOCK_N=128, num_warps=4)
+    if num_tokens <= 64:  # decode: one tile per group, wide column blocks
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)),
+                    BLOCK_N=EXPAND_DECODE_BLOCK_N, num_warps=4)
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
 
-@triton.jit
+EXPAND_DECODE_BLOCK_N = 256
+
+
+@triton.jit(do_not_specialize=["num_tiles", "m_blocks"])
 def _lora_expand_kernel(
     buf_ptr, b_ptr, y_ptr,
     sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr,
+    tiles_ptr, num_tiles, m_blocks,
     slice_starts_ptr,
     stride_bs, stride_bm, stride_br,
     stride_wl, stride_wn, stride_wr,
     stride_ym, stride_yn,
     N_BLOCKS_PER_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EXPLICIT_TILES: tl.constexpr,
 ):
     pid_sn = tl.program_id(0)  # slice * N_BLOCKS_PER_SLICE + column block
-    pid_m = tl.program_id(1)
-    group = tl.program_id(2)
+    tile = tl.program_id(1)
     s = pid_sn // N_BLOCKS_PER_SLICE
     col0 = tl.load(slice_starts_ptr + s)
     col_end = tl.load(slice_starts_ptr + s + 1)
     n0 = col0 + (pid_sn % N_BLOCKS_PER_SLICE) * BLOCK_N
     if n0 >= col_end:
         return
+    if EXPLICIT_TILES:
+        group = tl.load(tiles_ptr + tile)
+        m0 = tl.load(tiles_ptr + num_tiles + tile)
+    else:
+        group = tile // m_blocks
+        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * BLOCK_M
     slot = tl.load(group_slots_ptr + group)
     if slot < 0:
         return
-    start = tl.load(group_starts_ptr + group)
     end = tl.load(group_starts_ptr + group + 1)
-    m0 = start + pid_m * BLOCK_M
     if m0 >= end:
         return
     rank = tl.load(group_ranks_ptr + group)
@@ -98,15 +107,17 @@ def lora_expand(
     batch: LoRABatch,
 ) -> None:
     num_slices, num_tokens, max_rank = buf.shape
-    max_loras = lora_b.shape[0]
     assert lora_b.shape[1] == sum(slice_sizes) == y.shape[1], (lora_b.shape, slice_sizes, y.shape)
     assert len(slice_sizes) == num_slices and y.shape[0] == num_tokens
     cfg = expand_config(num_tokens)
     n_blocks = triton.cdiv(max(slice_sizes), cfg["BLOCK_N"])
-    grid = (num_slices * n_blocks, triton.cdiv(num_tokens, cfg["BLOCK_M"]), max_loras)
+    tiles, num_tiles = lora_tiles(batch, num_tokens, cfg["BLOCK_M"])
+    grid = (num_slices * n_blocks, num_tiles)
     _lora_expand_kernel[grid](
         buf, lora_b, y,
         batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
+        tiles if tiles is not None else batch.group_slots, num_tiles,
+        triton.cdiv(num_tokens, cfg["BLOCK_M"]),
         _slice_starts(tuple(slice_sizes), y.device),
         *buf.stride(),
         *lora_b.stride(),
@@ -116,5 +127,6 @@ def lora_expand(
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
+        EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
     )

@@ -6,8 +6,9 @@ GEMM (SGMV). In decode each group has a token or a few and the op is a skinny GE
 in_features (K = 4096+): split-K spreads that K over many programs, which atomically add
 their fp32 partial sums. Only the group's own rank is read (masked columns of A are never
 loaded), and all slices of a fused projection (q/k/v, gate/up) run in one launch.
-The grid depends only on the token count and max_loras, never on the adapter mix, so one
-CUDA graph serves every batch composition.
+Tiles come from `lora_tiles`: exact in eager steps; in CUDA graphs the grid depends only
+on the token count and max_loras, never on the adapter mix, so one graph serves every
+batch composition.
 """
 
 from __future__ import annotations
@@ -17,37 +18,48 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.lora_tiles import lora_tiles
 
 
 def shrink_config(num_tokens: int, in_features: int) -> dict:
-    """Block sizes by regime: decode (few tokens per group) or prefill."""
+    """Block sizes by regime. Decode: one tile per group covers the whole batch (BLOCK_M
+    >= tokens) and split-K spreads the long K over programs; prefill: GEMM tiles."""
     if num_tokens <= 64:
-        return dict(BLOCK_M=16, BLOCK_K=256, SPLIT_K=8, num_warps=4)
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=256,
+                    SPLIT_K=SHRINK_DECODE_SPLIT_K, num_warps=4)
     return dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["K"])
+SHRINK_DECODE_SPLIT_K = 4
+
+
+@triton.jit(do_not_specialize=["K", "num_tiles", "m_blocks"])
 def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr,
     sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr,
+    tiles_ptr, num_tiles, m_blocks,
     K,
     stride_xm, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EXPLICIT_TILES: tl.constexpr,
 ):
     pid_sk = tl.program_id(0)  # slice * SPLIT_K + k-split
-    pid_m = tl.program_id(1)
-    group = tl.program_id(2)
+    tile = tl.program_id(1)
     s = pid_sk // SPLIT_K
     k_split = pid_sk % SPLIT_K
+    if EXPLICIT_TILES:
+        group = tl.load(tiles_ptr + tile)
+        m0 = tl.load(tiles_ptr + num_tiles + tile)
+    else:
+        group = tile // m_blocks
+        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * BLOCK_M
     slot = tl.load(group_slots_ptr + group)
     if slot < 0:
         return
-    start = tl.load(group_starts_ptr + group)
     end = tl.load(group_starts_ptr + group + 1)
-    m0 = start + pid_m * BLOCK_M
     if m0 >= end:
         return
     rank = tl.load(group_ranks_ptr + group)
@@ -86,7 +98,7 @@ def _lora_shrink_kernel(
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    num_slices, max_loras, max_rank, in_features = lora_a.shape
+    num_slices, _, max_rank, in_features = lora_a.shape
     num_tokens = x.shape[0]
     assert x.shape[1] == in_features, (x.shape, lora_a.shape)
     assert x.dtype == lora_a.dtype, (x.dtype, lora_a.dtype)
@@ -95,10 +107,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torc
     out = (torch.zeros if split_k > 1 else torch.empty)(
         num_slices, num_tokens, max_rank, dtype=torch.float32, device=x.device
     )
-    grid = (num_slices * split_k, triton.cdiv(num_tokens, cfg["BLOCK_M"]), max_loras)
+    tiles, num_tiles = lora_tiles(batch, num_tokens, cfg["BLOCK_M"])
+    grid = (num_slices * split_k, num_tiles)
     _lora_shrink_kernel[grid](
         x, lora_a, out,
         batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
+        tiles if tiles is not None else batch.group_slots, num_tiles,
+        triton.cdiv(num_tokens, cfg["BLOCK_M"]),
         in_features,
         x.stride(0), x.stride(1),
         *lora_a.stride(),
@@ -109,6 +124,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torc
         SPLIT_K=split_k,
         EVEN_K=in_features % (cfg["BLOCK_K"] * split_k) == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
     )
     return out

@@ -1,0 +1,33 @@
+"""Which (adapter group, token block) tiles a LoRA launch covers.
+
+In an eager step the token groups are known on the host, so a launch covers exactly the
+tiles that hold tokens: prefill of 8192 tokens over 32 adapters launches 32 x 256 / 64
+tiles, not 32 x 8192 / 64 mostly empty ones. A CUDA graph is captured once for every
+future batch, so there the grid covers every group x every token block and tiles
+without tokens exit at once (with BLOCK_M >= the batch size that is one tile a group).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from loraplex.ops.metadata import LoRABatch
+
+
+def lora_tiles(batch: LoRABatch, num_tokens: int, block_m: int) -> tuple[torch.Tensor | None, int]:
+    """Returns (tiles, n): tiles is int32 [2, n] of (group, first sorted position), or
+    None when the grid is static: tile i is group i // blocks, block i % blocks."""
+    if not batch.groups:  # graph capture: groups are only known on the device
+        return None, batch.group_slots.shape[0] * triton.cdiv(num_tokens, block_m)
+    key = ("tiles", block_m)
+    if key not in batch.cache:
+        groups, starts = [], []
+        for i, g in enumerate(batch.groups):
+            for m0 in range(g.start, g.end, block_m):
+                groups.append(i)
+                starts.append(m0)
+        device = batch.group_slots.device
+        batch.cache[key] = torch.tensor([groups, starts], dtype=torch.int32, device=device)
+    tiles = batch.cache[key]
+    return tiles, tiles.shape[1]
