@@ -53,6 +53,7 @@ def lora_batch(slots: list[int], ranks: list[int], max_loras: int, device) -> Lo
         group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
         group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
         group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
+        slot_ranks=torch.tensor(ranks[:max_loras], **i32),
         groups=groups,
     )
 
@@ -93,29 +94,52 @@ def lora_cases(bw, tflops, rank=16, max_loras=32):
     return rows
 
 
-def decode_sweep(rank=16, max_loras=32, tokens=32):
-    """Decode LoRA configs (32 tokens, 32 adapters): split-K of shrink, BLOCK_N of expand."""
-    from loraplex.ops.triton import lora_expand as expand_mod
-    from loraplex.ops.triton import lora_shrink as shrink_mod
+def _sweep(module_name: str, settings: list[dict], fn) -> list[tuple[dict, float]]:
+    """Time fn under each setting of a kernel module's tunables; restore them after."""
+    import importlib
+
+    mod = importlib.import_module(module_name)
+    saved = {k: getattr(mod, k) for k in settings[0]}
+    out = []
+    for setting in settings:
+        for k, v in setting.items():
+            setattr(mod, k, v)
+        out.append((setting, bench(fn)))
+    for k, v in saved.items():
+        setattr(mod, k, v)
+    return out
+
+
+def config_sweep(rank=16, max_loras=32):
+    """LoRA tunables: GEMV forms on decode (32 tokens, 32 adapters), SGMV expand on prefill."""
+    from loraplex.ops import triton as k
 
     dev, rows = "cuda", []
-    batch = lora_batch(list(range(tokens)), [rank] * max_loras, max_loras, dev)
-    for name, (k, outs) in PROJECTIONS.items():
-        n = sum(outs)
-        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-        a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16)
-        y = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
-        for split in (1, 2, 4, 8):
-            shrink_mod.SHRINK_DECODE_SPLIT_K = split
-            rows.append(dict(proj=name, op=f"shrink split_k={split}",
-                             ms=bench(lambda: ops.lora_shrink(x, a, batch))))
-        buf = ops.lora_shrink(x, a, batch)
-        for bn in (64, 128, 256, 512):
-            expand_mod.EXPAND_DECODE_BLOCK_N = bn
-            rows.append(dict(proj=name, op=f"expand block_n={bn}",
-                             ms=bench(lambda: ops.lora_expand(buf, b, y, tuple(outs), batch))))
-    shrink_mod.SHRINK_DECODE_SPLIT_K, expand_mod.EXPAND_DECODE_BLOCK_N = 4, 256
+    pkg = "loraplex.ops.triton."
+    for tokens, adapters in [(32, 32), (8192, 32)]:
+        batch = lora_batch([i % adapters for i in range(tokens)], [rank] * max_loras, max_loras, dev)
+        for name, (kk, outs) in PROJECTIONS.items():
+            n = sum(outs)
+            x = torch.randn(tokens, kk, device=dev, dtype=torch.bfloat16)
+            a = torch.randn(len(outs), max_loras, rank, kk, device=dev, dtype=torch.bfloat16)
+            b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16)
+            y = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+            if tokens <= 64:
+                res = _sweep(pkg + "lora_shrink_gemv",
+                             [dict(BLOCK_K=bk, SPLIT_K=sk) for bk in (256, 512, 1024) for sk in (1, 2, 4)],
+                             lambda: k.lora_shrink_gemv(x, a, batch))
+                buf = k.lora_shrink_gemv(x, a, batch)
+                res += _sweep(pkg + "lora_expand_gemv", [dict(BLOCK_N=bn) for bn in (128, 256, 512, 1024)],
+                              lambda: k.lora_expand_gemv(buf, b, y, tuple(outs), batch))
+            else:
+                buf = k.lora_shrink_sgmv(x, a, batch)
+                res = _sweep(pkg + "lora_expand_sgmv",
+                             [dict(BLOCK_M=bm, BLOCK_N=bn, NUM_WARPS=w) for bm, bn in
+                              ((64, 128), (128, 128), (64, 256), (128, 64)) for w in (4, 8)],
+                             lambda: k.lora_expand_sgmv(buf, b, y, tuple(outs), batch))
+            for setting, ms in res:
+                rows.append(dict(proj=name, op=f"{tokens} tok " + " ".join(f"{a}={v}" for a, v in setting.items()),
+                                 ms=ms))
     return rows
 
 
@@ -212,9 +236,9 @@ def main():
     print(f"{'case':38} {'proj':8} {'op':22} {'ms':>8} {'floor':>8} {'frac':>6}")
     for r in rows:
         print(f"{r['case']:38} {r['proj']:8} {r['op']:22} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['frac']:6.2f}")
-    extra = decode_sweep() + projection_cases()
+    extra = config_sweep() + projection_cases()
     for r in extra:
-        print(f"{'decode 32 tok, 32 adapters':38} {r['proj']:8} {r['op']:34} {r['ms']:8.4f}")
+        print(f"{'sweep (32 adapters)':38} {r['proj']:8} {r['op']:40} {r['ms']:8.4f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows + extra, f, indent=1)

@@ -57,6 +57,7 @@ def lora_batch(slots: list[int], ranks: list[int], max_loras: int) -> LoRABatch:
         group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
         group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
         group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
+        slot_ranks=torch.tensor(ranks[:max_loras], **i32),
         groups=groups,
     )
 
@@ -72,13 +73,23 @@ def test_lora_shrink_expand(backend, popularity, num_tokens, in_f, sizes):
 
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens,in_f,sizes", LORA_SHAPES)
-def test_lora_kernels_on_graph_grid(popularity, num_tokens, in_f, sizes):
-    """Groups known only on the device, as inside a CUDA graph (the kernels' static grid)."""
-    with ops.using_backend("triton"):
-        check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid=True)
+@pytest.mark.parametrize("form", ["gemv", "sgmv", "sgmv-graph-grid"])
+def test_lora_kernel_forms(popularity, num_tokens, in_f, sizes, form):
+    """Each Triton form on every shape, whichever the dispatcher would pick: per-token
+    GEMV, segmented GEMM, and segmented GEMM with groups known only on the device (the
+    static grid of a CUDA graph)."""
+    from loraplex.ops import triton as kernels
+
+    shrink = kernels.lora_shrink_gemv if form == "gemv" else kernels.lora_shrink_sgmv
+    expand = kernels.lora_expand_gemv if form == "gemv" else kernels.lora_expand_sgmv
+    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, form == "sgmv-graph-grid",
+                             shrink, expand)
 
 
-def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid):
+def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid,
+                             shrink=None, expand=None):
+    shrink = shrink or ops.lora_shrink
+    expand = expand or ops.lora_expand
     gen = torch.Generator().manual_seed(num_tokens * 7 + len(sizes))
     max_loras, max_rank = 5, 16
     ranks = [16, 8, 3, 1, 12]
@@ -104,9 +115,9 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid):
     if graph_grid:
         batch.active, batch.groups = any(s >= 0 for s in slots), []
     y = y0.to(**dev)
-    buf = ops.lora_shrink(x.to(**dev), a.to(**dev), batch)
+    buf = shrink(x.to(**dev), a.to(**dev), batch)
     assert buf.shape == (len(sizes), num_tokens, max_rank) and buf.dtype == torch.float32
-    ops.lora_expand(buf, b.to(**dev), y, sizes, batch)
+    expand(buf, b.to(**dev), y, sizes, batch)
     err = (y.double().cpu() - expected).norm() / expected.norm()
     assert err <= 1e-5, err
     base = torch.tensor([s < 0 for s in slots])

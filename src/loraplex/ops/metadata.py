@@ -45,6 +45,7 @@ class LoRABatch:
     group_slots: torch.Tensor  # [max_loras] int32: slot of group g, -1 past the last group
     group_starts: torch.Tensor  # [max_loras + 1] int32: group g is sorted ids [gs[g], gs[g+1])
     group_ranks: torch.Tensor  # [max_loras] int32: rank of group g's adapter, 0 past the last
+    slot_ranks: torch.Tensor  # [max_loras] int32: rank of the adapter in each slot, 0 = empty
     groups: list[LoRAGroup]  # host copy of the groups (reference ops only)
     # Some token uses an adapter. Kernels read only the device tensors above, so a CUDA
     # graph captured once serves any mix of adapters and base tokens.

@@ -63,6 +63,7 @@ class InputBuffers:
         self.group_slots = _Buffer(max(1, max_loras), i32, device)
         self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
         self.group_ranks = _Buffer(max(1, max_loras), i32, device)
+        self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
 
     def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None) -> StepInputs:
         """Fill the buffers for `plan`. pad_to: a decode step run by a CUDA graph captured
@@ -157,12 +158,14 @@ class InputBuffers:
             max_query_len=1,
             max_seq_len=0,
         )
+        self.slot_ranks.np[:] = 0
         lora = LoRABatch(
             token_slot=self.token_slot.upload(size),
             sorted_token_ids=self.sorted_token_ids.upload(size),
             group_slots=self.group_slots.upload(n_groups),
             group_starts=self.group_starts.upload(n_groups + 1),
             group_ranks=self.group_ranks.upload(n_groups),
+            slot_ranks=self.slot_ranks.upload(n_groups),
             groups=[],
             active=True,
         ) if with_lora else None
@@ -195,11 +198,13 @@ class InputBuffers:
         self.group_ranks.np[:g] = [x.rank for x in groups]
         self.group_starts.np[: g + 1] = [x.start for x in groups] + [groups[-1].end]
         self.group_starts.np[g + 1 :] = groups[-1].end
+        self.slot_ranks.np[: len(slot_ranks)] = slot_ranks
         return LoRABatch(
             token_slot=self.token_slot.upload(num_tokens),
             sorted_token_ids=self.sorted_token_ids.upload(num_tokens),
             group_slots=self.group_slots.upload(len(self.group_slots.np)),
             group_starts=self.group_starts.upload(len(self.group_starts.np)),
             group_ranks=self.group_ranks.upload(len(self.group_ranks.np)),
+            slot_ranks=self.slot_ranks.upload(len(self.slot_ranks.np)),
             groups=groups,
         )

@@ -6,11 +6,30 @@ Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 
 from loraplex.ops.triton.activation import silu_and_mul
 from loraplex.ops.triton.kv_cache import write_kv_cache
-from loraplex.ops.triton.lora_expand import lora_expand
-from loraplex.ops.triton.lora_shrink import lora_shrink
+from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
+from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
+from loraplex.ops.triton.lora_shrink_gemv import lora_shrink_gemv
+from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
 from loraplex.ops.triton.rotary import rotary_embedding
+
+# Up to this many tokens a step runs the GEMV (per-token) LoRA kernels, above it the
+# segmented GEMMs: decode batches are at most this large per CUDA graph bucket.
+GEMV_MAX_TOKENS = 64
+
+
+def lora_shrink(x, lora_a, batch):
+    if x.shape[0] <= GEMV_MAX_TOKENS:
+        return lora_shrink_gemv(x, lora_a, batch)
+    return lora_shrink_sgmv(x, lora_a, batch)
+
+
+def lora_expand(buf, lora_b, y, slice_sizes, batch):
+    if buf.shape[1] <= GEMV_MAX_TOKENS:
+        return lora_expand_gemv(buf, lora_b, y, slice_sizes, batch)
+    return lora_expand_sgmv(buf, lora_b, y, slice_sizes, batch)
+
 
 __all__ = [
     "add_rms_norm",

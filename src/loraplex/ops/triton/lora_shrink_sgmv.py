@@ -1,4 +1,5 @@
-"""LoRA shrink: out[s, t, :r] = x[t] @ A[s, slot(t), :r].T, tokens grouped by adapter slot.
+"""LoRA shrink, segmented GEMM form (prefill): out[s, t, :r] = x[t] @ A[s, slot(t), :r].T,
+tokens grouped by adapter slot.
 
 Why this shape: a step's tokens arrive grouped by adapter (`LoRABatch`), so each program
 takes BLOCK_M tokens of one group and multiplies them by that group's A: a segmented
@@ -18,19 +19,20 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.triton.lora_tiles import lora_tiles
+from loraplex.ops.triton.lora_common import lora_tiles
+
+
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
+BLOCK_M, BLOCK_K, NUM_WARPS = 64, 64, 4
 
 
 def shrink_config(num_tokens: int, in_features: int) -> dict:
-    """Block sizes by regime. Decode: one tile per group covers the whole batch (BLOCK_M
-    >= tokens) and split-K spreads the long K over programs; prefill: GEMM tiles."""
+    """Few tokens (a small or graph-captured batch): one tile covers a group's tokens, and
+    split-K spreads the long K over programs."""
     if num_tokens <= 64:
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=256,
-                    SPLIT_K=SHRINK_DECODE_SPLIT_K, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_K=64, SPLIT_K=1, num_warps=4)
-
-
-SHRINK_DECODE_SPLIT_K = 4
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=128,
+                    SPLIT_K=4, num_warps=4)
+    return dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SPLIT_K=1, num_warps=NUM_WARPS)
 
 
 @triton.jit(do_not_specialize=["K", "num_tiles", "m_blocks"])
@@ -97,7 +99,7 @@ def _lora_shrink_kernel(
         tl.atomic_add(out, acc, mask=mask)
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     num_slices, _, max_rank, in_features = lora_a.shape
     num_tokens = x.shape[0]
     assert x.shape[1] == in_features, (x.shape, lora_a.shape)

@@ -1,4 +1,6 @@
-"""Which (adapter group, token block) tiles a LoRA launch covers.
+"""What the LoRA kernels share: the tiles a segmented launch covers, slice offsets.
+
+Tiles: which (adapter group, token block) pairs a segmented (SGMV) launch covers.
 
 In an eager step the token groups are known on the host, so a launch covers exactly the
 tiles that hold tokens: prefill of 8192 tokens over 32 adapters launches 32 x 256 / 64
@@ -31,3 +33,18 @@ def lora_tiles(batch: LoRABatch, num_tokens: int, block_m: int) -> tuple[torch.T
         batch.cache[key] = torch.tensor([groups, starts], dtype=torch.int32, device=device)
     tiles = batch.cache[key]
     return tiles, tiles.shape[1]
+
+
+_slice_starts: dict[tuple, torch.Tensor] = {}
+
+
+def slice_starts(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 [S + 1] column offsets of a fused projection's slices. Cached: the first
+    (eager) call creates it, so CUDA graph replays read a stable tensor."""
+    key = (sizes, str(device))
+    if key not in _slice_starts:
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + n)
+        _slice_starts[key] = torch.tensor(starts, dtype=torch.int32, device=device)
+    return _slice_starts[key]

@@ -1,4 +1,5 @@
-"""LoRA expand fused with the add: y[t, o_s:o_s+n_s] += buf[s, t, :r] @ B[slot(t), o_s:o_s+n_s, :r].T.
+"""LoRA expand fused with the add, segmented GEMM form (prefill):
+y[t, o_s:o_s+n_s] += buf[s, t, :r] @ B[slot(t), o_s:o_s+n_s, :r].T.
 
 Each program takes BLOCK_M tokens of one adapter group and BLOCK_N output columns of one
 slice, multiplies the shrunk activations by that slot's B (scaling already folded in) and
@@ -14,17 +15,17 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.triton.lora_tiles import lora_tiles
+from loraplex.ops.triton.lora_common import lora_tiles, slice_starts
+
+
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
+BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 4
 
 
 def expand_config(num_tokens: int) -> dict:
-    if num_tokens <= 64:  # decode: one tile per group, wide column blocks
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)),
-                    BLOCK_N=EXPAND_DECODE_BLOCK_N, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
-
-
-EXPAND_DECODE_BLOCK_N = 256
+    """Few tokens (a small or graph-captured batch): one tile covers a group's tokens."""
+    block_m = BLOCK_M if num_tokens > 64 else max(16, triton.next_power_of_2(num_tokens))
+    return dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "m_blocks"])
@@ -85,21 +86,7 @@ def _lora_expand_kernel(
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_slice_starts_cache: dict[tuple, torch.Tensor] = {}
-
-
-def _slice_starts(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    # Cached: built once per projection shape, so graph replays read a stable tensor.
-    key = (sizes, str(device))
-    if key not in _slice_starts_cache:
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + n)
-        _slice_starts_cache[key] = torch.tensor(starts, dtype=torch.int32, device=device)
-    return _slice_starts_cache[key]
-
-
-def lora_expand(
+def lora_expand_sgmv(
     buf: torch.Tensor,
     lora_b: torch.Tensor,
     y: torch.Tensor,
@@ -118,7 +105,7 @@ def lora_expand(
         batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
         tiles if tiles is not None else batch.group_slots, num_tiles,
         triton.cdiv(num_tokens, cfg["BLOCK_M"]),
-        _slice_starts(tuple(slice_sizes), y.device),
+        slice_starts(tuple(slice_sizes), y.device),
         *buf.stride(),
         *lora_b.stride(),
         *y.stride(),

@@ -1,0 +1,83 @@
+"""LoRA shrink for decode, one program per token (GEMV form, as Punica's BGMV):
+out[s, t, :r] = x[t] @ A[s, slot(t), :r].T.
+
+In a decode step each request brings one token and, with many adapters, its own A:
+there is no matrix to multiply, only a matrix-vector product per token over weights
+read once. Tensor-core tiles would be 1/16 full, so the product is a multiply and a
+reduction in registers over BLOCK_K chunks of A[slot] [r, K], whose rows are contiguous
+along K. Only the token's own rank is read. The grid depends on the token count alone,
+so a CUDA graph serves any adapter mix.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.metadata import LoRABatch
+
+# Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/NOTES.md).
+BLOCK_K = 512
+SPLIT_K = 1
+
+
+@triton.jit
+def _shrink_gemv_kernel(
+    x_ptr, a_ptr, out_ptr, token_slot_ptr, slot_ranks_ptr,
+    K,
+    stride_xm, stride_as, stride_al, stride_ar, stride_os, stride_om,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_sk = tl.program_id(0)
+    t = tl.program_id(1)
+    s = pid_sk // SPLIT_K
+    k_split = pid_sk % SPLIT_K
+    slot = tl.load(token_slot_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + s * stride_as + slot * stride_al + r[:, None] * stride_ar
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(k_split * k_chunk, tl.minimum((k_split + 1) * k_chunk, K), BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            x = tl.load(x_ptr + t * stride_xm + k).to(tl.float32)
+            a = tl.load(a_rows + k[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + t * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            a = tl.load(a_rows + k[None, :], mask=r_mask[:, None] & (k < K)[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+    out = out_ptr + s * stride_os + t * stride_om + r
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=r_mask)
+    else:
+        tl.atomic_add(out, acc, mask=r_mask)
+
+
+
+def lora_shrink_gemv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    num_slices, _, max_rank, in_features = lora_a.shape
+    num_tokens = x.shape[0]
+    assert lora_a.stride(3) == 1 and x.stride(1) == 1
+    split_k = SPLIT_K
+    out = (torch.zeros if split_k > 1 else torch.empty)(
+        num_slices, num_tokens, max_rank, dtype=torch.float32, device=x.device
+    )
+    block_k = min(BLOCK_K, triton.next_power_of_2(in_features))
+    _shrink_gemv_kernel[(num_slices * split_k, num_tokens)](
+        x, lora_a, out, batch.token_slot, batch.slot_ranks,
+        in_features,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_R=triton.next_power_of_2(max_rank), BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_K=in_features % (block_k * split_k) == 0,
+        num_warps=4,
+    )
+    return out
+
+
