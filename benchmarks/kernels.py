@@ -125,12 +125,19 @@ def config_sweep(rank=16, max_loras=32):
             b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16)
             y = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
             if tokens <= 64:
+                # Rotate over copies larger than L2 together: in a model, the base weights
+                # between two LoRA calls evict the adapters, so they come from HBM.
+                copies = 8
+                a_all = [a] + [a.clone() for _ in range(copies - 1)]
+                b_all = [b] + [b.clone() for _ in range(copies - 1)]
                 res = _sweep(pkg + "lora_shrink_gemv",
-                             [dict(BLOCK_K=bk, SPLIT_K=sk) for bk in (256, 512, 1024) for sk in (1, 2, 4)],
-                             lambda: k.lora_shrink_gemv(x, a, batch))
+                             [dict(BLOCK_K=bk, PROGRAMS_PER_SM=p, NUM_WARPS=w)
+                              for bk in (256, 512) for p in (1, 4, 8) for w in (4, 8)],
+                             lambda: [k.lora_shrink_gemv(x, ai, batch) for ai in a_all])
                 buf = k.lora_shrink_gemv(x, a, batch)
                 res += _sweep(pkg + "lora_expand_gemv", [dict(BLOCK_N=bn) for bn in (128, 256, 512, 1024)],
-                              lambda: k.lora_expand_gemv(buf, b, y, tuple(outs), batch))
+                              lambda: [k.lora_expand_gemv(buf, bi, y, tuple(outs), batch) for bi in b_all])
+                res = [(setting, ms / copies) for setting, ms in res]
             else:
                 buf = k.lora_shrink_sgmv(x, a, batch)
                 res = _sweep(pkg + "lora_expand_sgmv",

@@ -124,7 +124,7 @@ def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         BLOCK_K=cfg["BLOCK_K"],
         SPLIT_K=split_k,
-        EVEN_K=in_features % (cfg["BLOCK_K"] * split_k) == 0,
+        EVEN_K=in_features % cfg["BLOCK_K"] == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
