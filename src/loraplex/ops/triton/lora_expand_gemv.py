@@ -16,7 +16,7 @@ from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import slice_starts
 
 # Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/NOTES.md).
-BLOCK_N = 512
+BLOCK_N = 256
 
 
 @triton.jit
