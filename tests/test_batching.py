@@ -134,3 +134,37 @@ def test_eos_stops_generation(model_dirs, tmp_path):
     assert out.finish_reason == "stop" and out.stop_reason is None
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert out[0].outputs[0].token_ids == tokens
+
+
+def test_async_scheduling_changes_nothing(model_dirs, adapter_dirs):
+    """Planning a step before reading the last one's tokens gives the same outputs as
+    planning after: with EOS found late, stop strings, stop tokens, preemption."""
+    prompts = random_prompts(10, (20, 45), seed=12)
+    loras = _loras(adapter_dirs, "llama", len(prompts))
+    sync = make_llm(model_dirs["llama"], async_scheduling=False, num_gpu_blocks_override=20,
+                    max_model_len=128)
+    free = sync.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), loras)
+    params = []
+    for i, out in enumerate(free):
+        toks, words = out.outputs[0].token_ids, out.outputs[0].text.split()
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[toks[5]]))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop=[words[7]]))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0.9, seed=i, max_tokens=17 + i, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2))
+    a = sync.generate(prompts, params, loras)
+    eager = make_llm(model_dirs["llama"], async_scheduling=True, num_gpu_blocks_override=20,
+                     max_model_len=128)
+    b = eager.generate(prompts, params, loras)
+    assert sum(o.metrics.num_preemptions for o in b) > 0, "the test should preempt"
+    for x, y in zip(a, b):
+        ox, oy = x.outputs[0], y.outputs[0]
+        assert (ox.token_ids, ox.text, ox.finish_reason, ox.stop_reason) == (
+            oy.token_ids, oy.text, oy.finish_reason, oy.stop_reason)
+        if ox.logprobs is not None:
+            assert [set(p) for p in ox.logprobs] == [set(p) for p in oy.logprobs]
+    assert eager.engine.scheduler.blocks.num_free_blocks == 20

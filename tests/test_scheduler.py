@@ -113,6 +113,7 @@ def test_adapter_slots_gate_admission_and_loads_are_planned():
     plan = sched.schedule()
     assert [c.request_id for c in plan.chunks] == ["r1"], "r2 waits for the only slot"
     assert plan.lora_loads == {0: a1.key}
+    _run(sched, plan)
     while "r1" in sched.requests:
         _run(sched, sched.schedule())
     plan = sched.schedule()
@@ -130,3 +131,23 @@ def test_stop_conditions_in_update():
     _run(sched, sched.schedule(), token=9)
     assert req.finished and req.finish_reason == "stop" and req.stop_reason == 9
     assert sched.blocks.num_free_blocks == 64
+
+
+def test_planning_ahead_feeds_pending_tokens():
+    """Two plans before the first update: the second feeds the in-flight token
+    (PENDING_TOKEN) and updates then apply in order."""
+    from loraplex.types import PENDING_TOKEN
+
+    sched = _scheduler()
+    req = _request("a", 5, max_tokens=3)
+    sched.add(req)
+    first = sched.schedule()
+    second = sched.schedule()
+    assert second.chunks[0].token_ids == [PENDING_TOKEN] and second.chunks[0].start_pos == 5
+    third = sched.schedule()
+    assert third.chunks[0].start_pos == 6
+    assert not sched.schedule().chunks, "the third token is the last one: nothing to plan"
+    for plan, token in ((first, 11), (second, 12), (third, 13)):
+        _run(sched, plan, token=token)
+    assert req.output_token_ids == [11, 12, 13] and req.finish_reason == "length"
+    assert req.num_pending == 0

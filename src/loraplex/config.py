@@ -169,6 +169,10 @@ class SchedulerConfig:
     def __post_init__(self):
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens, max_model_len must be > 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request's decode token must fit one step (async scheduling
+            # feeds an in-flight token only to the very next step).
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
 
 
 @dataclass(frozen=True)

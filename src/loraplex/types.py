@@ -147,6 +147,11 @@ class RequestOutput:
 # ---------------------------------------------------------------------------------------
 
 
+# Stands for a token that a step already in flight samples: the runner feeds it from that
+# step's device output, so planning the next step need not wait for the host copy.
+PENDING_TOKEN = -1
+
+
 @dataclass
 class PromptLogprobsTask:
     """Logits rows of a chunk whose log-softmax scores the prompt tokens that follow."""
@@ -161,13 +166,14 @@ class ScheduledChunk:
     """One request's share of a step: a prefill chunk, or the one token of a decode."""
 
     request_id: str
-    token_ids: list[int]  # tokens fed this step, at positions start_pos, start_pos + 1, ...
+    token_ids: list[int]  # tokens fed this step, at positions start_pos, ...; PENDING_TOKEN:
+    # the token the previous step samples for this request (decode chunks only)
     start_pos: int  # = the request's num_computed_tokens before this step
     block_ids: list[int]  # KV pages of the request, covering start_pos + len(token_ids)
     lora_slot: int  # GPU adapter slot of every token of the chunk; -1 = base model
     sample: bool  # the chunk ends at the last known token: sample the next one
     sampling: SamplingParams
-    num_output_tokens: int  # tokens generated so far (min_tokens, seeded sampling)
+    num_output_tokens: int  # tokens generated so far, pending ones included (min_tokens)
     prompt_logprobs: PromptLogprobsTask | None = None
 
     @property

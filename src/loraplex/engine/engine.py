@@ -18,6 +18,7 @@ from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import InvalidRequest, LoRADisabled, PromptTooLong
 from loraplex.runner.model_runner import ModelRunner
+from loraplex.runner.step_outputs import LaunchedStep
 from loraplex.types import (
     CompletionOutput,
     Logprob,
@@ -29,8 +30,11 @@ from loraplex.types import (
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer, max_logprobs: int = 20):
+    def __init__(self, config: EngineConfig, tokenizer, max_logprobs: int = 20,
+                 async_scheduling: bool = True):
         self.config = config
+        self.async_scheduling = async_scheduling
+        self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.runner = ModelRunner(config)
@@ -113,16 +117,31 @@ class LLMEngine:
         return self._output(live.req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return an output for every request that progressed or ended."""
+        """Run one step; return an output for every request that progressed or ended.
+
+        With async scheduling the step just planned is launched before the previous
+        one's results are read, so the host's bookkeeping (results, detokenization,
+        stop strings, the next plan) overlaps the device's work; outputs then trail the
+        device by one step.
+        """
         plan = self.scheduler.schedule()
-        result = self.runner.run(plan)
-        self.num_steps += 1
-        touched = self.scheduler.update(plan, result)
+        launched = self.runner.launch(plan)
+        self.num_steps += bool(plan.chunks)
+        outputs = self._finish_step(self._in_flight) if self._in_flight else []
+        self._in_flight = None
+        if self.async_scheduling and plan.chunks:
+            self._in_flight = launched
+        else:
+            outputs += self._finish_step(launched)
+        return outputs
+
+    def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
+        touched = self.scheduler.update(launched.plan, self.runner.collect(launched))
         outputs = []
         for req in touched:
             live = self._live[req.request_id]

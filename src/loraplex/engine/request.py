@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from loraplex.types import (
+    PENDING_TOKEN,
     LoRARequest,
     PositionLogprobs,
     RequestMetrics,
@@ -31,8 +32,10 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose keys and values are in the KV cache (prompt and output alike).
+    # Tokens whose keys and values are in the KV cache or being written by a planned step.
     num_computed_tokens: int = 0
+    # Tokens sampled by a launched step whose ids have not reached the host yet (0 or 1).
+    num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # while running with an adapter: its GPU slot
     finish_reason: str | None = None
@@ -55,18 +58,35 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, those still in flight included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    def will_finish(self, max_model_len: int) -> bool:
+        """Its pending token is its last by length: no further step needs it."""
+        max_tokens = self.sampling.max_tokens
+        return self.num_pending > 0 and (
+            (max_tokens is not None and self.num_output_tokens >= max_tokens)
+            or self.num_tokens >= max_model_len
+        )
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Tokens at positions [start, end) of prompt + output, without copying both."""
+        """Tokens at positions [start, end) of prompt + output; PENDING_TOKEN for the one
+        still in flight."""
         n = len(self.prompt_token_ids)
+        known = n + len(self.output_token_ids)
+        pending = [PENDING_TOKEN] * (max(end, known) - max(start, known))
+        end = min(end, known)
         if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+            return self.output_token_ids[start - n : end - n] + pending
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)] + pending
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,13 @@ There are no phases: a request only has `num_computed_tokens` of `num_tokens`, a
 chunked prefill falls out of the budget. When pages run out, the newest running request
 is preempted: its pages are freed and it is recomputed from scratch later (its output
 tokens so far become part of the prefill).
+
+Planning may run one step ahead of results (async scheduling): a planned chunk advances
+`num_computed_tokens` at once, and a chunk that samples leaves a pending token, which
+the next step feeds from the device (PENDING_TOKEN) before its id reaches the host.
+Decodes are planned before prefill chunks so that a pending token is always consumed by
+the very next step; update() later fills in the ids and applies stop conditions, and a
+request that turns out to have stopped simply has its in-flight token dropped.
 """
 
 from __future__ import annotations
@@ -63,18 +70,27 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        """Plan the next step. Every plan must later reach update() with its result."""
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(chunks=[], finished_request_ids=self._finished_ids)
         self._finished_ids = []
         now = time.monotonic()
 
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        max_len = self.config.max_model_len
+        # Decodes (one token left) first: they always fit the budget (>= max_num_seqs).
+        candidates = [r for r in self.running if not r.will_finish(max_len)]
+        candidates.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        planned: set[str] = set()
+        for req in candidates:
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
-                victim = self.running.pop()
+                victim = next(r for r in reversed(self.running) if r.request_id not in planned)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -82,10 +98,8 @@ class Scheduler:
             else:
                 self.blocks.grow(req.block_ids, req.num_computed_tokens + n)
                 plan.chunks.append(self._chunk(req, n))
+                planned.add(req.request_id)
                 budget -= n
-                i += 1
-                continue
-            break
 
         # Admitting while preempting would only thrash pages.
         while (
@@ -96,8 +110,8 @@ class Scheduler:
         ):
             req = self.waiting[0]
             key = req.adapter_key
-            if key is not None and not self.slots.can_acquire(key):
-                break
+            if req.num_pending or (key is not None and not self.slots.can_acquire(key)):
+                break  # a preempted request waits for its in-flight token first
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.can_grow(req.block_ids, n):
                 break
@@ -130,7 +144,7 @@ class Scheduler:
                     target_ids=req.prompt_token_ids[a + 1 : b + 1],
                     num_top=req.sampling.prompt_logprobs,
                 )
-        return ScheduledChunk(
+        chunk = ScheduledChunk(
             request_id=req.request_id,
             token_ids=req.token_ids_between(start, end),
             start_pos=start,
@@ -138,9 +152,12 @@ class Scheduler:
             lora_slot=req.lora_slot,
             sample=end == req.num_tokens,
             sampling=req.sampling,
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=req.num_output_tokens,
             prompt_logprobs=task,
         )
+        req.num_computed_tokens = end
+        req.num_pending += chunk.sample
+        return chunk
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -166,15 +183,15 @@ class Scheduler:
             plan.chunks, result.sampled_token_ids, result.logprobs, result.prompt_logprobs
         ):
             req = self.requests.get(chunk.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted after the plan was made
-            req.num_computed_tokens += chunk.num_tokens
+            if req is None:
+                continue  # ended (stopped, aborted) while this step was in flight
             if prompt_lps:
                 req.prompt_logprobs.extend(prompt_lps)
             if token is None:
                 if prompt_lps:
                     touched.append(req)
                 continue
+            req.num_pending -= 1
             req.output_token_ids.append(token)
             if logprobs is not None:
                 req.logprobs.append(logprobs)
@@ -189,7 +206,7 @@ class Scheduler:
             elif n_out >= sp.min_tokens and token in sp.stop_token_ids:
                 self.finish(req, "stop", token)
             elif (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
-                req.num_tokens >= max_len
+                req.num_prompt_tokens + n_out >= max_len
             ):
                 self.finish(req, "length")
         return touched

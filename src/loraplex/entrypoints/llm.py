@@ -33,6 +33,8 @@ class LLM:
     on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
     the model's max_position_embeddings. ops_backend="auto" runs Triton kernels on GPU
     and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs.
+    async_scheduling plans and launches each step before reading the previous one's
+    tokens (as vLLM's --async-scheduling), hiding host work behind the device's.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class LLM:
         max_logprobs: int = 20,
         ops_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -92,7 +95,8 @@ class LLM:
             ),
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
-        self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs)
+        self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs,
+                                async_scheduling=async_scheduling)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -15,6 +15,7 @@ import torch
 
 from loraplex import ops
 from loraplex.adapters.slots import LoRASlotBuffers
+from loraplex.device import to_device
 from loraplex.adapters.store import AdapterStore
 from loraplex.config import EngineConfig
 from loraplex.layers.attention import PagedAttention
@@ -24,9 +25,9 @@ from loraplex.models.weights import init_dummy, load_safetensors, projection_ind
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import DecodeGraphs
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
+from loraplex.runner.step_outputs import LaunchedStep, concat_logprobs
 from loraplex.types import (
-    Logprob,
-    PositionLogprobs,
+    PENDING_TOKEN,
     SamplingParams,
     ScheduledChunk,
     StepPlan,
@@ -63,6 +64,9 @@ class ModelRunner:
         self._request_generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = config.model.eos_token_ids  # min_tokens bans these
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
+        # The last step's sampled ids on the device, and each request's row in them.
+        self._last_token_ids: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
         self.num_blocks = self._allocate_kv_cache()
@@ -168,25 +172,33 @@ class ModelRunner:
 
     # -- steps ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
-        with ops.using_backend(self.config.ops_backend):
-            return self._run(plan)
+        """Execute `plan` and wait for its result."""
+        return self.collect(self.launch(plan))
 
-    def _run(self, plan: StepPlan) -> StepResult:
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue `plan`'s work on the device; collect() returns its result."""
+        with ops.using_backend(self.config.ops_backend):
+            return self._launch(plan)
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        return launched.result()
+
+    def _launch(self, plan: StepPlan) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
         for slot, key in plan.lora_loads.items():
             self.lora_slots.load(slot, self.adapters.get(key))
-        n_chunks = len(plan.chunks)
-        result = StepResult([None] * n_chunks, [None] * n_chunks, [None] * n_chunks)
+        out = LaunchedStep(plan)
         if not plan.chunks:
-            return result
+            return out
         ranks = self.lora_slots.ranks if self.lora_slots else []
         graph_size = None
         if self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks):
-            graph_size = self.graphs.padded_size(n_chunks)
+            graph_size = self.graphs.padded_size(len(plan.chunks))
         inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size)
+        self._feed_pending_tokens(plan, inputs.input_ids)
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size, inputs.lora is not None)
         else:
@@ -196,11 +208,27 @@ class ModelRunner:
 
         if inputs.sample_chunks:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            self._sample(plan, inputs.sample_chunks, logits, result)
-        self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, result)
-        return result
+            self._sample(plan, inputs.sample_chunks, logits, out)
+        self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
+        out.start_copies()
+        return out
 
-    def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, result: StepResult):
+    def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
+        """Write tokens still in flight (PENDING_TOKEN) from the previous step's device
+        output into this step's input ids: no wait for the host copy."""
+        dst, src = [], []
+        pos = 0
+        for chunk in plan.chunks:
+            if chunk.token_ids[-1] == PENDING_TOKEN:
+                assert chunk.num_tokens == 1, "only decode chunks feed a pending token"
+                dst.append(pos)
+                src.append(self._last_rows[chunk.request_id])
+            pos += chunk.num_tokens
+        if dst:
+            index = to_device([dst, src], torch.int64, self.device)
+            input_ids[index[0]] = self._last_token_ids[index[1]]
+
+    def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, out: LaunchedStep):
         chunks = [plan.chunks[i] for i in rows]
         sampling_rows = SamplingRows(
             temperature=[c.sampling.temperature for c in chunks],
@@ -212,44 +240,32 @@ class ModelRunner:
         want = [c.sampling.logprobs for c in chunks]
         raw = logits.clone() if any(w is not None for w in want) else logits
         token_ids = sample(logits, sampling_rows, self.generator)
-        lps = None
         if any(w is not None for w in want):
-            lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
-            lps = _to_host(lps)
-        token_ids = token_ids.tolist()
-        for j, (i, chunk) in enumerate(zip(rows, chunks)):
-            result.sampled_token_ids[i] = token_ids[j]
-            if want[j] is not None:
-                result.logprobs[i] = _position_logprobs(lps, j, token_ids[j], want[j])
+            out.sample_lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
+        out.sample_chunks, out.sample_logprobs, out.token_ids = rows, want, token_ids
+        self._last_token_ids = token_ids
+        self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
 
-    def _prompt_logprobs(self, plan, qsl, hidden, result):
-        rows, targets, tasks = [], [], []
+    def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
+        rows, targets = [], []
         for i, chunk in enumerate(plan.chunks):
             task = chunk.prompt_logprobs
             if task is not None:
                 first = qsl[i] + task.first_row
                 rows.extend(range(first, first + len(task.target_ids)))
                 targets.extend(task.target_ids)
-                tasks.append((i, task))
+                out.prompt_tasks.append((i, task))
         if not rows:
             return
         # Prompt rows can be many (a whole prefill chunk): score them in slices so the
         # [rows, vocab] logits stay small.
-        device = hidden.device
+        max_top = max(t.num_top for _, t in out.prompt_tasks)
         parts = []
-        max_top = max(t.num_top for _, t in tasks)
         for a in range(0, len(rows), 1024):
-            idx = torch.tensor(rows[a : a + 1024], device=device)
-            tgt = torch.tensor(targets[a : a + 1024], device=device)
+            idx = to_device(rows[a : a + 1024], torch.int64, self.device)
+            tgt = to_device(targets[a : a + 1024], torch.int64, self.device)
             parts.append(token_logprobs(self.model.compute_logits(hidden[idx]), tgt, max_top))
-        lps = _to_host(_cat_logprobs(parts))
-        j = 0
-        for i, task in tasks:
-            result.prompt_logprobs[i] = [
-                _position_logprobs(lps, j + k, tid, task.num_top)
-                for k, tid in enumerate(task.target_ids)
-            ]
-            j += len(task.target_ids)
+        out.prompt_lps = concat_logprobs(parts)
 
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling.seed
@@ -292,21 +308,3 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f}{unit}"
     return str(n)
-
-
-def _to_host(lps):
-    return type(lps)(*(t.cpu().tolist() for t in (lps.chosen, lps.rank, lps.top_values, lps.top_ids)))
-
-
-def _cat_logprobs(parts):
-    return type(parts[0])(*(torch.cat(ts) for ts in zip(*(
-        (p.chosen, p.rank, p.top_values, p.top_ids) for p in parts
-    ))))
-
-
-def _position_logprobs(lps, row: int, token_id: int, num_top: int) -> PositionLogprobs:
-    """The chosen token's Logprob plus the row's top `num_top`, as vLLM returns them."""
-    out = {token_id: Logprob(lps.chosen[row], lps.rank[row])}
-    for rank, (tid, value) in enumerate(zip(lps.top_ids[row][:num_top], lps.top_values[row][:num_top]), 1):
-        out.setdefault(tid, Logprob(value, rank))
-    return out

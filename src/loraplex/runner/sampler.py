@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.device import to_device
+
 
 @dataclass
 class SamplingRows:
@@ -33,14 +35,16 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     """logits [N, V] float32 -> sampled token ids [N] (int64). Modifies logits."""
     n, vocab = logits.shape
     device = logits.device
-    for i, banned in enumerate(rows.banned):
-        if banned:
-            logits[i, banned] = float("-inf")
+    ban_rows = [i for i, banned in enumerate(rows.banned) for _ in banned]
+    if ban_rows:
+        ban_cols = [t for banned in rows.banned for t in banned]
+        index = to_device([ban_rows, ban_cols], torch.int64, device)
+        logits[index[0], index[1]] = float("-inf")
     greedy_ids = logits.argmax(dim=-1)
     if rows.all_greedy:
         return greedy_ids
 
-    temperature = torch.tensor(rows.temperature, device=device)
+    temperature = to_device(rows.temperature, torch.float32, device)
     greedy = temperature < 1e-5
     logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
     if any(0 < k < vocab for k in rows.top_k) or any(p < 1.0 for p in rows.top_p):
@@ -64,10 +68,10 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    k = to_device([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits.masked_fill_(ranks >= k[:, None], float("-inf"))
-    p = torch.tensor(top_p, device=logits.device)[:, None]
+    p = to_device(top_p, torch.float32, logits.device)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of the more likely tokens
     # p >= 1 is off: float32 cumsum can reach 1 before the tail, which must not be cut.

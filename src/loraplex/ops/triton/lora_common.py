@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from loraplex.device import to_device
 from loraplex.ops.metadata import LoRABatch
 
 
@@ -29,8 +30,7 @@ def lora_tiles(batch: LoRABatch, num_tokens: int, block_m: int) -> tuple[torch.T
             for m0 in range(g.start, g.end, block_m):
                 groups.append(i)
                 starts.append(m0)
-        device = batch.group_slots.device
-        batch.cache[key] = torch.tensor([groups, starts], dtype=torch.int32, device=device)
+        batch.cache[key] = to_device([groups, starts], torch.int32, batch.group_slots.device)
     tiles = batch.cache[key]
     return tiles, tiles.shape[1]
 
