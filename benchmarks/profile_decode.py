@@ -61,6 +61,16 @@ def main():
         print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
               f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")
 
+        import cProfile
+        import pstats
+
+        cpu = cProfile.Profile()
+        cpu.enable()
+        for _ in range(20):
+            engine.step()
+        cpu.disable()
+        pstats.Stats(cpu).sort_stats("tottime").print_stats(14)
+
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 engine.step()

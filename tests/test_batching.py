@@ -138,11 +138,13 @@ def test_eos_stops_generation(model_dirs, tmp_path):
 
 def test_async_scheduling_changes_nothing(model_dirs, adapter_dirs):
     """Planning a step before reading the last one's tokens gives the same outputs as
-    planning after: with EOS found late, stop strings, stop tokens, preemption."""
+    planning after: with EOS found late, stop strings, stop tokens, preemption. In
+    float32 on any device: async steps have other batch shapes, which bf16 rounds
+    differently (a scheduling test, not a numerics one)."""
     prompts = random_prompts(10, (20, 45), seed=12)
     loras = _loras(adapter_dirs, "llama", len(prompts))
     sync = make_llm(model_dirs["llama"], async_scheduling=False, num_gpu_blocks_override=20,
-                    max_model_len=128)
+                    max_model_len=128, dtype="float32")
     free = sync.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), loras)
     params = []
     for i, out in enumerate(free):
@@ -158,7 +160,7 @@ def test_async_scheduling_changes_nothing(model_dirs, adapter_dirs):
             params.append(SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2))
     a = sync.generate(prompts, params, loras)
     eager = make_llm(model_dirs["llama"], async_scheduling=True, num_gpu_blocks_override=20,
-                     max_model_len=128)
+                     max_model_len=128, dtype="float32")
     b = eager.generate(prompts, params, loras)
     assert sum(o.metrics.num_preemptions for o in b) > 0, "the test should preempt"
     for x, y in zip(a, b):

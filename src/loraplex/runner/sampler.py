@@ -51,12 +51,11 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
         logits = _top_k_top_p(logits, rows.top_k, rows.top_p)
     probs = logits.softmax(dim=-1)
 
+    # One draw for the whole batch from the shared generator (indexing rows by a host
+    # list would block on a host-to-device copy); seeded rows then redraw from their own.
     race = torch.empty_like(probs)
-    shared = [i for i, g in enumerate(rows.generators) if g is None]
-    if shared:
-        race[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
-            generator=generator
-        )
+    if any(g is None for g in rows.generators):
+        race.exponential_(generator=generator)
     for i, g in enumerate(rows.generators):
         if g is not None:
             race[i].exponential_(generator=g)
