@@ -19,8 +19,11 @@ for step in $STEPS; do
       timeout 300 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" | tail -60 ;;
     profile)
       timeout 300 python3 benchmarks/profile_decode.py --cache-dir /tmp/lp 2>&1 | grep -v "it/s" > "$OUT/profile.txt"; grep -E "engine step|Self CUDA" "$OUT/profile.txt" ;;
+    variants)
+      timeout 400 python3 benchmarks/decode_variants.py 2>&1 | grep -v "it/s" | grep -v "^loraplex" | tee "$OUT/variants.txt" ;;
     bench)
       timeout 500 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 32 \
+        --max-num-batched-tokens ${CHUNK:-2048} \
         --num-prompts ${PROMPTS:-512} --max-concurrency 32 --input-len 512 --output-len 128 \
         --cache-dir /tmp/lp --result-json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
         | grep -v "it/s" > "$OUT/bench.txt"; tail -6 "$OUT/bench.txt" ;;
