@@ -128,7 +128,8 @@ def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
     """Compile every kernel variant and load each adapter into a GPU slot, untimed."""
     t0 = time.perf_counter()
     n = max(args.max_concurrency, len(adapters), 1)
-    prompts = [[1000 + (i * 7) % 500] * args.input_len for i in range(n)]
+    vocab = llm.config.model.vocab_size
+    prompts = [[vocab // 4 + (i * 7) % (vocab // 2)] * args.input_len for i in range(n)]
     loras = [adapters[i % len(adapters)] if adapters and i % 2 else None for i in range(n)]
     sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts, sp, loras, use_tqdm=False)

@@ -19,8 +19,9 @@ from loraplex.ops.metadata import LoRABatch
 
 
 def lora_tiles(batch: LoRABatch, num_tokens: int, block_m: int) -> tuple[torch.Tensor | None, int]:
-    """Returns (tiles, n): tiles is int32 [2, n] of (group, first sorted position), or
-    None when the grid is static: tile i is group i // blocks, block i % blocks."""
+    """Tiles of up to `block_m` rows. Returns (tiles, n): tiles is int32 [2, n] of
+    (group, first sorted position), or None when the grid is static: tile i is group
+    i // blocks, block i % blocks."""
     if not batch.groups:  # graph capture: groups are only known on the device
         return None, batch.group_slots.shape[0] * triton.cdiv(num_tokens, block_m)
     key = ("tiles", block_m)

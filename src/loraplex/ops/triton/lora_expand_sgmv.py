@@ -16,16 +16,20 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import lora_tiles, slice_starts
+from loraplex.ops.triton.precision import dot_settings
 
 
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
-BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 4
+# A program loads its B tile once and walks TILE_BLOCKS token blocks of its group.
+BLOCK_M, BLOCK_N, NUM_WARPS, TILE_BLOCKS = 64, 128, 4, 4
 
 
 def expand_config(num_tokens: int) -> dict:
     """Few tokens (a small or graph-captured batch): one tile covers a group's tokens."""
-    block_m = BLOCK_M if num_tokens > 64 else max(16, triton.next_power_of_2(num_tokens))
-    return dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS)
+    if num_tokens <= 64:
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_N=BLOCK_N,
+                    TILE_BLOCKS=1, num_warps=NUM_WARPS)
+    return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILE_BLOCKS=TILE_BLOCKS, num_warps=NUM_WARPS)
 
 
 @triton.jit(do_not_specialize=["num_tiles", "m_blocks"])
@@ -39,7 +43,8 @@ def _lora_expand_kernel(
     stride_ym, stride_yn,
     N_BLOCKS_PER_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EXPLICIT_TILES: tl.constexpr,
+    TILE_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EXPLICIT_TILES: tl.constexpr,
 ):
     pid_sn = tl.program_id(0)  # slice * N_BLOCKS_PER_SLICE + column block
     tile = tl.program_id(1)
@@ -54,36 +59,38 @@ def _lora_expand_kernel(
         m0 = tl.load(tiles_ptr + num_tiles + tile)
     else:
         group = tile // m_blocks
-        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * BLOCK_M
+        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * (BLOCK_M * TILE_BLOCKS)
     slot = tl.load(group_slots_ptr + group)
     if slot < 0:
         return
-    end = tl.load(group_starts_ptr + group + 1)
+    end = tl.minimum(tl.load(group_starts_ptr + group + 1), m0 + BLOCK_M * TILE_BLOCKS)
     if m0 >= end:
         return
     rank = tl.load(group_ranks_ptr + group)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    tokens = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_end
-
-    x = tl.load(
-        buf_ptr + s * stride_bs + tokens[:, None] * stride_bm + offs_r[None, :] * stride_br,
-        mask=m_mask[:, None] & r_mask[None, :], other=0.0,
-    )
     w = tl.load(
         b_ptr + slot * stride_wl + offs_n[None, :] * stride_wn + offs_r[:, None] * stride_wr,
         mask=r_mask[:, None] & n_mask[None, :], other=0.0,
     )
-    delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
-    y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask = m_mask[:, None] & n_mask[None, :]
-    out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
+    if UPCAST:
+        w = w.to(tl.float32)
+    for mb in range(m0, end, BLOCK_M):
+        offs_m = mb + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < end
+        tokens = tl.load(sorted_ids_ptr + offs_m, mask=m_mask, other=0)
+        x = tl.load(
+            buf_ptr + s * stride_bs + tokens[:, None] * stride_bm + offs_r[None, :] * stride_br,
+            mask=m_mask[:, None] & r_mask[None, :], other=0.0,
+        )
+        delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+        y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        mask = m_mask[:, None] & n_mask[None, :]
+        out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def lora_expand_sgmv(
@@ -98,13 +105,14 @@ def lora_expand_sgmv(
     assert len(slice_sizes) == num_slices and y.shape[0] == num_tokens
     cfg = expand_config(num_tokens)
     n_blocks = triton.cdiv(max(slice_sizes), cfg["BLOCK_N"])
-    tiles, num_tiles = lora_tiles(batch, num_tokens, cfg["BLOCK_M"])
+    span = cfg["BLOCK_M"] * cfg["TILE_BLOCKS"]
+    tiles, num_tiles = lora_tiles(batch, num_tokens, span)
     grid = (num_slices * n_blocks, num_tiles)
     _lora_expand_kernel[grid](
         buf, lora_b, y,
         batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
         tiles if tiles is not None else batch.group_slots, num_tiles,
-        triton.cdiv(num_tokens, cfg["BLOCK_M"]),
+        triton.cdiv(num_tokens, span),
         slice_starts(tuple(slice_sizes), y.device),
         *buf.stride(),
         *lora_b.stride(),
@@ -113,7 +121,8 @@ def lora_expand_sgmv(
         BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-        DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
+        TILE_BLOCKS=cfg["TILE_BLOCKS"],
+        **dot_settings(lora_b.dtype),
         EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
     )

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import lora_tiles
+from loraplex.ops.triton.precision import dot_settings
 
 
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
@@ -45,7 +46,7 @@ def _lora_shrink_kernel(
     stride_as, stride_al, stride_ar, stride_ak,
     stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     EXPLICIT_TILES: tl.constexpr,
 ):
     pid_sk = tl.program_id(0)  # slice * SPLIT_K + k-split
@@ -89,6 +90,8 @@ def _lora_shrink_kernel(
                         other=0.0)
             a = tl.load(a_cols + k[:, None] * stride_ak, mask=r_mask[None, :] & k_mask[:, None],
                         other=0.0)
+        if UPCAST:
+            x, a = x.to(tl.float32), a.to(tl.float32)
         acc += tl.dot(x, a, input_precision=DOT_PRECISION)
 
     out = out_ptr + s * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or
@@ -125,7 +128,7 @@ def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
         BLOCK_K=cfg["BLOCK_K"],
         SPLIT_K=split_k,
         EVEN_K=in_features % cfg["BLOCK_K"] == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **dot_settings(x.dtype),
         EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
     )

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.triton.precision import dot_settings
 
 
 def attention_config(max_query_len: int, group: int) -> dict:
@@ -37,7 +38,7 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -63,6 +64,8 @@ def _paged_attention_kernel(
         + offs_d[None, :] * stride_qd,
         mask=row_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -83,6 +86,8 @@ def _paged_attention_kernel(
         v_off = page * stride_vb + (n % PAGE) * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
         if USE_WINDOW:
@@ -95,6 +100,8 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -132,7 +139,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **dot_settings(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

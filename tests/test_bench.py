@@ -1,0 +1,96 @@
+"""`loraplex bench`: workloads, metrics, the in-process driver on a tiny model, and the
+HTTP driver against a streaming OpenAI-style server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from loraplex.bench.clients import run_http
+from loraplex.bench.report import RequestRecord, summarize
+from loraplex.bench.workload import make_requests
+from loraplex.entrypoints.cli import main as cli
+
+
+def test_workload_shapes_and_popularity():
+    reqs = make_requests(2000, 7, 3, vocab_size=5000, num_adapters=10, distribution="zipf", seed=0)
+    assert all(len(r.prompt_token_ids) == 7 and r.output_len == 3 for r in reqs)
+    counts = [sum(r.adapter == k for r in reqs) for k in range(10)]
+    assert counts[0] > 2 * counts[4] > 0, counts  # P(k) ~ 1 / (k + 1)
+    uniform = make_requests(2000, 7, 3, 5000, 10, "uniform", 0)
+    assert max(sum(r.adapter == k for r in uniform) for k in range(10)) < 260
+    assert all(r.adapter is None for r in make_requests(5, 7, 3, 5000, 0, "uniform", 0))
+
+
+def test_metrics_follow_vllm_definitions():
+    recs = [RequestRecord(send_time=0.0, token_times=[0.1, 0.12, 0.16], num_output_tokens=3),
+            RequestRecord(send_time=0.05, token_times=[0.25, 0.30], num_output_tokens=2)]
+    r = summarize("x", recs)
+    assert r.ttft_ms["median"] == pytest.approx(150.0)  # 100 and 200 ms
+    assert sorted(r.tpots) == pytest.approx([0.03, 0.05])  # (0.16-0.1)/2, (0.30-0.25)/1
+    assert r.itl_ms["mean"] == pytest.approx((20 + 40 + 50) / 3)
+    assert r.output_throughput == pytest.approx(5 / 0.30)
+
+
+def test_bench_in_process_on_a_tiny_model(model_dirs, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = cli(["bench", "--model", str(model_dirs["qwen3"]), "--num-prompts", "6",
+                "--input-len", "12", "--output-len", "5", "--max-concurrency", "3",
+                "--num-adapters", "0", "2", "--lora-rank", "4", "--dtype", "float32",
+                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| run |" in table and "2 adapters (uniform)" in table
+    rows = json.loads(out.read_text())
+    assert [r["num_requests"] - r["num_failed"] for r in rows] == [6, 6]
+    assert all(r["output_throughput"] > 0 and r["tpot_ms"]["median"] > 0 for r in rows)
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams `max_tokens` one-word chunks, then usage, like /v1/completions."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append(body)
+        if body["model"] == "missing":
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "no such model"}}')
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for i in range(body["max_tokens"]):
+            time.sleep(0.01)
+            chunk = {"choices": [{"index": 0, "text": f" w{i}"}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_bench_over_http():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reqs = make_requests(8, 4, 5, vocab_size=100, num_adapters=2, distribution="uniform", seed=1)
+        records = run_http(url, "base-model", reqs, ["ad-0", "missing"], max_concurrency=3)
+    finally:
+        server.shutdown()
+    ok = [r for r, q in zip(records, reqs) if q.adapter != 1]
+    assert all(r.error is None and r.num_output_tokens == 5 and len(r.token_times) == 5 for r in ok)
+    assert all(r.error.startswith("HTTP 404") for r, q in zip(records, reqs) if q.adapter == 1)
+    assert {b["model"] for b in server.seen} <= {"ad-0", "missing"}
+    assert all(b["stream"] and b["ignore_eos"] and b["prompt"].startswith("t") for b in server.seen)
+    result = summarize("http", records)
+    assert result.num_failed == sum(q.adapter == 1 for q in reqs)
+    assert 10 <= result.itl_ms["median"] <= 200
