@@ -78,14 +78,30 @@ def test_each_request_gets_what_it_gets_alone(arch, model_dirs, adapter_dirs):
         LoRARequest(name, i + 1, str(adapter_dirs[arch][name])) for i, name in enumerate(ADAPTERS)
     ]
     loras = [variants[i % len(variants)] for i in range(len(prompts))]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0,
+                        logprobs=5)
     together = llm.generate(prompts, sp, loras)
     for prompt, lora, out in zip(prompts, loras, together):
         alone = llm.generate([prompt], sp, lora)[0]
-        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert_same_greedy_tokens(out.outputs[0], alone.outputs[0])
         a = _logprobs_of(out.prompt_logprobs[1:], prompt[1:])
         b = _logprobs_of(alone.prompt_logprobs[1:], prompt[1:])
         assert (a - b).abs().max().item() <= batch_tolerance()
+
+
+def assert_same_greedy_tokens(a, b):
+    """float32: identical greedy tokens. bf16 rounds differently in batches of other
+    shapes, so two greedy runs may part at a near-tie: up to the first difference the
+    tokens agree, and there both picks are within batch_tolerance() in b's logprobs."""
+    if DTYPE == "float32":
+        assert a.token_ids == b.token_ids
+        return
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+        if x != y:
+            scores = b.logprobs[i]
+            assert x in scores, f"step {i}: {x} is not among the top tokens of {scores}"
+            assert scores[y].logprob - scores[x].logprob <= batch_tolerance(), (i, scores)
+            return
 
 
 def test_base_requests_are_bit_identical_beside_adapters(model_dirs, adapter_dirs):
