@@ -83,14 +83,13 @@ def lora_cases(bw, tflops, rank=16, max_loras=32):
             shrink_bytes = used * len(outs) * rank * k * 2 + tokens * k * 2
             expand_bytes = used * n * rank * 2 + 2 * tokens * n * 2
             base_bytes = n * k * 2 + tokens * (k + n) * 2
-            lora_flops = 2 * tokens * rank * (k * len(outs) + n)
             for op, t, nbytes, flops in [("base GEMM (cuBLAS)", t_base, base_bytes, 2 * tokens * n * k),
-                                         ("lora_shrink", t_shrink, shrink_bytes, 2 * tokens * rank * k * len(outs)),
+                                         ("lora_shrink", t_shrink, shrink_bytes,
+                                          2 * tokens * rank * k * len(outs)),
                                          ("lora_expand", t_expand, expand_bytes, 2 * tokens * rank * n)]:
                 floor = max(nbytes / bw, flops / tflops) * 1e3
                 rows.append(dict(case=label, proj=name, op=op, ms=t, floor_ms=floor,
                                  frac=floor / t, MB=nbytes / 1e6, GFLOP=flops / 1e9))
-            del lora_flops
     return rows
 
 
@@ -145,8 +144,8 @@ def config_sweep(rank=16, max_loras=32):
                               ((64, 128), (128, 128), (64, 256), (128, 64)) for w in (4, 8)],
                              lambda: k.lora_expand_sgmv(buf, b, y, tuple(outs), batch))
             for setting, ms in res:
-                rows.append(dict(proj=name, op=f"{tokens} tok " + " ".join(f"{a}={v}" for a, v in setting.items()),
-                                 ms=ms))
+                label = " ".join(f"{a}={v}" for a, v in setting.items())
+                rows.append(dict(proj=name, op=f"{tokens} tok {label}", ms=ms))
     return rows
 
 
@@ -242,7 +241,8 @@ def main():
     rows += elementwise_cases(args.bandwidth)
     print(f"{'case':38} {'proj':8} {'op':22} {'ms':>8} {'floor':>8} {'frac':>6}")
     for r in rows:
-        print(f"{r['case']:38} {r['proj']:8} {r['op']:22} {r['ms']:8.4f} {r['floor_ms']:8.4f} {r['frac']:6.2f}")
+        print(f"{r['case']:38} {r['proj']:8} {r['op']:22} {r['ms']:8.4f} "
+              f"{r['floor_ms']:8.4f} {r['frac']:6.2f}")
     extra = config_sweep() + projection_cases()
     for r in extra:
         print(f"{'sweep (32 adapters)':38} {r['proj']:8} {r['op']:40} {r['ms']:8.4f}")

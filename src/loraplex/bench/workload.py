@@ -54,7 +54,8 @@ def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
     if Path(model).is_dir():
         return Path(model), not any(Path(model).glob("*.safetensors"))
     if model not in BUNDLED_CONFIGS:
-        raise ValueError(f"{model!r} is neither a directory nor a bundled config ({', '.join(BUNDLED_CONFIGS)})")
+        known = ", ".join(BUNDLED_CONFIGS)
+        raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
     out = cache_dir / model
     if not (out / "tokenizer.json").is_file():
         out.mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,9 @@ import torch
 
 from loraplex import ops
 from loraplex.adapters.slots import LoRASlotBuffers
-from loraplex.device import to_device
 from loraplex.adapters.store import AdapterStore
 from loraplex.config import EngineConfig
+from loraplex.device import to_device
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.models.registry import build_model

@@ -18,7 +18,6 @@ from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import lora_tiles, slice_starts
 from loraplex.ops.triton.precision import dot_settings
 
-
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
 # A program loads its B tile once and walks TILE_BLOCKS token blocks of its group.
 BLOCK_M, BLOCK_N, NUM_WARPS, TILE_BLOCKS = 64, 128, 4, 4

@@ -22,7 +22,6 @@ from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import lora_tiles
 from loraplex.ops.triton.precision import dot_settings
 
-
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
 BLOCK_M, BLOCK_K, NUM_WARPS = 64, 64, 4
 
