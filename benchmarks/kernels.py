@@ -17,7 +17,7 @@ import torch
 import triton
 
 from loraplex import ops
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, make_lora_batch
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
 PROJECTIONS = {  # name: (in, [slice outs])
@@ -36,26 +36,7 @@ def bench(fn) -> float:
 
 
 def lora_batch(slots: list[int], ranks: list[int], max_loras: int, device) -> LoRABatch:
-    import numpy as np
-
-    s = np.asarray(slots)
-    order = np.argsort(np.where(s < 0, max_loras, s), kind="stable")
-    groups, start = [], 0
-    for slot in sorted(set(slots) - {-1}):
-        n = int((s == slot).sum())
-        groups.append(LoRAGroup(slot, start, start + n, ranks[slot]))
-        start += n
-    pad = max_loras - len(groups)
-    i32 = dict(dtype=torch.int32, device=device)
-    return LoRABatch(
-        token_slot=torch.tensor(slots, **i32),
-        sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=device),
-        group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
-        group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
-        group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
-        slot_ranks=torch.tensor(ranks[:max_loras], **i32),
-        groups=groups,
-    )
+    return make_lora_batch(slots, ranks, max_loras, device)
 
 
 def lora_cases(bw, tflops, rank=16, max_loras=32):

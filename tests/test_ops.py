@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from conftest import DEVICE
 
 from loraplex import ops
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, make_lora_batch
 
 BACKENDS = ["torch", "triton"]
 POPULARITY = ["distinct", "uniform", "zipf", "identical", "none", "mixed-with-base"]
@@ -41,25 +40,7 @@ def token_slots(kind: str, num_tokens: int, num_slots: int, gen: torch.Generator
 
 
 def lora_batch(slots: list[int], ranks: list[int], max_loras: int) -> LoRABatch:
-    """Built the way the runner builds it (grouped by slot, base tokens last)."""
-    s = np.asarray(slots)
-    order = np.argsort(np.where(s < 0, max_loras, s), kind="stable")
-    groups, start = [], 0
-    for slot in sorted(set(slots) - {-1}):
-        n = int((s == slot).sum())
-        groups.append(LoRAGroup(slot, start, start + n, ranks[slot]))
-        start += n
-    pad = max_loras - len(groups)
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    return LoRABatch(
-        token_slot=torch.tensor(slots, **i32),
-        sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=DEVICE),
-        group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
-        group_starts=torch.tensor([g.start for g in groups] + [start] * (pad + 1), **i32),
-        group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
-        slot_ranks=torch.tensor(ranks[:max_loras], **i32),
-        groups=groups,
-    )
+    return make_lora_batch(slots, ranks, max_loras, DEVICE)
 
 
 LORA_SHAPES = [(1, 64, (48,)), (37, 72, (40, 24, 24)), (130, 33, (17, 51)), (300, 24, (16, 8))]

@@ -73,10 +73,6 @@ class Request:
             or self.num_tokens >= max_model_len
         )
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output; PENDING_TOKEN for the one
         still in flight."""
@@ -91,10 +87,3 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return (
-            self.sampling.prompt_logprobs is not None
-            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
-        )

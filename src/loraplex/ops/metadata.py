@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -52,3 +53,36 @@ class LoRABatch:
     active: bool = True
     # Per-step values derived by backends (e.g. kernel tilings), computed once per step.
     cache: dict = field(default_factory=dict, repr=False)
+
+
+def group_tokens(token_slot: np.ndarray, slot_ranks: list[int], max_loras: int):
+    """Token indices ordered by adapter slot, base tokens (-1) last (stable), and the
+    groups of that order. Returns (order, groups)."""
+    order = np.argsort(np.where(token_slot < 0, max_loras, token_slot), kind="stable")
+    slots, starts, counts = np.unique(token_slot[order], return_index=True, return_counts=True)
+    groups = [
+        LoRAGroup(int(s), int(a), int(a + c), slot_ranks[s])
+        for s, a, c in zip(slots, starts, counts)
+        if s >= 0
+    ]
+    return order, groups
+
+
+def make_lora_batch(token_slot: list[int], slot_ranks: list[int], max_loras: int,
+                    device: torch.device | str) -> LoRABatch:
+    """A LoRABatch in fresh tensors, for tests and benchmarks (the runner fills its
+    preallocated buffers the same way)."""
+    order, groups = group_tokens(np.asarray(token_slot), slot_ranks, max_loras)
+    pad = max_loras - len(groups)
+    end = groups[-1].end if groups else 0
+    i32 = dict(dtype=torch.int32, device=device)
+    return LoRABatch(
+        token_slot=torch.tensor(token_slot, **i32),
+        sorted_token_ids=torch.tensor(order, dtype=torch.int64, device=device),
+        group_slots=torch.tensor([g.slot for g in groups] + [-1] * pad, **i32),
+        group_starts=torch.tensor([g.start for g in groups] + [end] * (pad + 1), **i32),
+        group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
+        slot_ranks=torch.tensor(slot_ranks[:max_loras], **i32),
+        groups=groups,
+        active=bool(groups),
+    )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, LoRAGroup
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, group_tokens
 from loraplex.types import StepPlan
 
 
@@ -181,16 +181,8 @@ class InputBuffers:
     def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int]) -> LoRABatch | None:
         if all(c.lora_slot < 0 for c in plan.chunks):
             return None
-        token_slot = self.token_slot.np[:num_tokens]
-        # Stable sort: adapter tokens grouped by slot, base tokens (-1) last.
-        order = np.argsort(np.where(token_slot < 0, self.max_loras, token_slot), kind="stable")
+        order, groups = group_tokens(self.token_slot.np[:num_tokens], slot_ranks, self.max_loras)
         self.sorted_token_ids.np[:num_tokens] = order
-        slots, starts, counts = np.unique(token_slot[order], return_index=True, return_counts=True)
-        groups = [
-            LoRAGroup(int(s), int(a), int(a + c), slot_ranks[s])
-            for s, a, c in zip(slots, starts, counts)
-            if s >= 0
-        ]
         g = len(groups)
         self.group_slots.np[:] = -1
         self.group_ranks.np[:] = 0
