@@ -39,6 +39,16 @@ ARCHS = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "mistral": ("MistralConfig", dict(sliding_window=12)),
+    # Gemma 3: sandwich norms with (1 + w), GELU-tanh, scaled embeddings, q/k norm, local
+    # and global layers with their own rope bases, query_pre_attn_scalar != head_dim,
+    # final logit soft-capping (real Gemma 3 leaves it off; this exercises the path).
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=32, num_hidden_layers=3, query_pre_attn_scalar=24, sliding_window=10,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        final_logit_softcapping=30.0,
+    )),
 }
 
 
@@ -63,7 +73,7 @@ def build_tiny_model(out_dir: Path, arch: str, seed: int = 0, max_shard_size=Non
     import transformers
 
     cls_name, extra = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**_COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**_COMMON, **extra})
     return write_random_model(out_dir, config, seed, max_shard_size)
 
 

@@ -26,7 +26,9 @@ def _logprobs_of(positions, token_ids) -> torch.Tensor:
     return torch.tensor([pos[t].logprob for pos, t in zip(positions, token_ids)])
 
 
-CASES = [(arch, "auto") for arch in ARCHS] + [("qwen3", "triton"), ("mistral", "triton")]
+CASES = [(arch, "auto") for arch in ARCHS] + [
+    ("qwen3", "triton"), ("mistral", "triton"), ("gemma3", "triton")
+]
 
 
 @pytest.mark.parametrize("arch,backend", CASES)

@@ -228,6 +228,28 @@ def test_add_rms_norm_and_strided_heads(backend):
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_gemma_norm_and_gelu(backend):
+    """(1 + w) norms scale before rounding; GELU is PyTorch's tanh approximation."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 40, generator=gen).to(DEVICE)
+    res = torch.randn(6, 40, generator=gen).to(DEVICE)
+    w = torch.randn(40, generator=gen).to(DEVICE) * 0.1
+    s = (x + res).double()
+    ref = (1 + w.double()) * s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    out, new_res = ops.add_rms_norm(x, res, w, 1e-6, unit_offset=True)
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(new_res, x + res)
+    h = (x + res).double()
+    ref1 = (1 + w.double()) * h / (h.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    assert torch.allclose(ops.rms_norm(x + res, w, 1e-6, True).double(), ref1, rtol=1e-5, atol=1e-6)
+
+    g = torch.randn(5, 2 * 24, generator=gen).to(DEVICE) * 3
+    gate, up = g[:, :24].double(), g[:, 24:].double()
+    inner = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    want = 0.5 * gate * (1 + torch.tanh(inner)) * up
+    assert torch.allclose(ops.gelu_tanh_and_mul(g).double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_write_kv_cache_skips_padding(backend):
     gen = torch.Generator().manual_seed(3)
     kc = torch.zeros(4, 4, 2, 8, device=DEVICE)

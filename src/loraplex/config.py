@@ -12,16 +12,20 @@ from typing import Any
 
 from loraplex.errors import UnsupportedModel
 
-# Hugging Face architecture name -> per-architecture facts the generic decoder needs.
+# Hugging Face architecture name -> facts the shared decoder blocks need.
 # qkv_bias / o_bias: None means "read config.attention_bias".
-_DENSE_ARCHS: dict[str, dict[str, Any]] = {
+_ARCHS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False),
     "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True),
+    # Gemma 3: (1 + w) norms, four per block, GELU-tanh, scaled embeddings, q/k norm,
+    # interleaved sliding-window and global layers with their own rope bases.
+    "Gemma3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, gemma=True),
 }
-SUPPORTED_ARCHITECTURES = tuple(_DENSE_ARCHS)
+SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
 _ROPE_TYPES = ("default", "linear", "llama3")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -36,9 +40,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     max_position_embeddings: int
-    rope_theta: float
-    # Hugging Face's rope_parameters (rope_type plus its scaling fields).
-    rope_parameters: dict[str, Any]
+    # Layer type ("full_attention", "sliding_attention") -> Hugging Face rope parameters
+    # (rope_theta, rope_type and its scaling fields).
+    rope: dict[str, dict[str, Any]]
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -50,6 +54,13 @@ class ModelConfig:
     dtype: str  # the checkpoint's dtype name, e.g. "bfloat16"
     initializer_range: float
     eos_token_ids: tuple[int, ...] = ()
+    activation: str = "silu"  # gated MLP activation: "silu" or "gelu_tanh"
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    # Gemma: norms scale by (1 + w) in float32; each block also normalises the outputs
+    # of attention and MLP; embeddings are multiplied by sqrt(hidden_size).
+    gemma_norms: bool = False
+    embed_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -67,24 +78,20 @@ class ModelConfig:
     def from_hf(cls, hf) -> ModelConfig:
         """Translate a transformers PretrainedConfig (transformers >= 5)."""
         archs = getattr(hf, "architectures", None) or []
-        arch = next((a for a in archs if a in _DENSE_ARCHS), None)
+        arch = next((a for a in archs if a in _ARCHS), None)
         if arch is None:
             raise UnsupportedModel(
                 f"architecture {archs or hf.model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        facts = _DENSE_ARCHS[arch]
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"{arch}: hidden_act {act!r} is not supported (silu only)")
+        facts = _ARCHS[arch]
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise UnsupportedModel(f"{arch}: activation {act!r} is not supported")
+        if getattr(hf, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModel(f"{arch}: attention logit soft-capping is not supported")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        rope = dict(getattr(hf, "rope_parameters", None) or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in _ROPE_TYPES:
-            raise UnsupportedModel(f"{arch}: rope_type {rope_type!r} is not supported")
-        if rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModel(f"{arch}: partial rotary embeddings are not supported")
         n_layers = hf.num_hidden_layers
         window = getattr(hf, "sliding_window", None)
         layer_types = getattr(hf, "layer_types", None)
@@ -93,9 +100,12 @@ class ModelConfig:
             layer_types = [kind] * n_layers
         if "sliding_attention" not in layer_types:
             window = None
+        rope = _rope_by_layer_type(arch, hf, set(layer_types))
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
+        gemma = facts.get("gemma", False)
+        pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -107,8 +117,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             max_position_embeddings=hf.max_position_embeddings,
-            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
-            rope_parameters=rope,
+            rope=rope,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=attention_bias if facts["qkv_bias"] is None else facts["qkv_bias"],
             o_bias=attention_bias if facts["o_bias"] is None else facts["o_bias"],
@@ -119,7 +128,30 @@ class ModelConfig:
             dtype=str(dtype).removeprefix("torch."),
             initializer_range=float(getattr(hf, "initializer_range", 0.02)),
             eos_token_ids=eos_ids,
+            activation=_ACTIVATIONS[act],
+            attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar else None,
+            gemma_norms=gemma,
+            embed_scale=hf.hidden_size**0.5 if gemma else None,
+            final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
         )
+
+
+def _rope_by_layer_type(arch: str, hf, layer_types: set[str]) -> dict[str, dict[str, Any]]:
+    """rope_parameters is one dict, or (Gemma 3) one dict per layer type."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    if not layer_types <= params.keys():
+        params = {t: params for t in layer_types}
+    out = {}
+    for layer_type in layer_types:
+        rope = dict(params[layer_type])
+        rope.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in _ROPE_TYPES:
+            raise UnsupportedModel(f"{arch}: rope_type {kind!r} is not supported")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModel(f"{arch}: partial rotary embeddings are not supported")
+        out[layer_type] = rope
+    return out
 
 
 @dataclass(frozen=True)

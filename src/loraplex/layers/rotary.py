@@ -31,9 +31,10 @@ def rope_inv_freq(head_dim: int, theta: float, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float, params: dict):
+    def __init__(self, head_dim: int, max_positions: int, params: dict):
+        """params: Hugging Face rope parameters (rope_theta, rope_type, scaling fields)."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, params)
+        inv_freq = rope_inv_freq(head_dim, params["rope_theta"], params)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), -1), False)
 

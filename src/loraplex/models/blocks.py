@@ -28,12 +28,12 @@ class SelfAttention(nn.Module):
             bias=cfg.qkv_bias,
         )
         self.o_proj = LoRALinear(cfg.q_size, [cfg.hidden_size], ["o_proj"], bias=cfg.o_bias)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's vector before rotary
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's vector before rotary
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.gemma_norms)
         self.rotary = rotary
         self.attn = PagedAttention(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim**-0.5,
             cfg.layer_window(layer),
         )
 
@@ -51,10 +51,14 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU or
+    tanh GELU."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act_and_mul = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[
+            cfg.activation
+        ]
         size = cfg.intermediate_size
         self.gate_up_proj = LoRALinear(
             cfg.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=cfg.mlp_bias
@@ -62,7 +66,7 @@ class GatedMLP(nn.Module):
         self.down_proj = LoRALinear(size, [cfg.hidden_size], ["down_proj"], bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,7 +1,8 @@
 """Dense decoder-only causal LMs: Llama 3.x, Mistral, Qwen2/2.5, Qwen3.
 
 Their differences (qkv bias, q/k norm, sliding windows, rope scaling) are ModelConfig
-fields read by the shared blocks, so one class serves all four.
+fields read by the shared blocks, so one class serves all four; other architectures
+subclass it with their own decoder layer (models/gemma3.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from loraplex.models.blocks import DecoderLayer
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, layer_cls: type[nn.Module]):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_parameters)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
+        # One rotary table per layer type (Gemma 3 gives local and global layers their own base).
+        rotary = {t: RotaryEmbedding(cfg.head_dim, max_positions, rope) for t, rope in cfg.rope.items()}
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, i, rotary[cfg.layer_types[i]]) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma_norms)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h, residual = self.embed_tokens(input_ids), None
@@ -32,15 +36,18 @@ class DecoderModel(nn.Module):
 
 
 class DenseCausalLM(nn.Module):
+    layer_cls: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, max_positions)
+        self.model = DecoderModel(cfg, max_positions, self.layer_cls)
         self.lm_head = (
             self.model.embed_tokens
             if cfg.tie_word_embeddings
             else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         )
+        self.lm_head.softcap = cfg.final_logit_softcap
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

@@ -7,12 +7,14 @@ from torch import nn
 from loraplex.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from loraplex.errors import UnsupportedModel
 from loraplex.models.dense import DenseCausalLM
+from loraplex.models.gemma3 import Gemma3CausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": DenseCausalLM,
     "MistralForCausalLM": DenseCausalLM,
     "Qwen2ForCausalLM": DenseCausalLM,
     "Qwen3ForCausalLM": DenseCausalLM,
+    "Gemma3ForCausalLM": Gemma3CausalLM,
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -100,14 +100,16 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
 
 
 def init_dummy(model: nn.Module, std: float, seed: int) -> None:
-    """Random weights at trained scale: matrices N(0, std), norms 1, biases 0."""
+    """Random weights at trained scale: matrices N(0, std), norms 1 (Gemma's (1 + w)
+    norms 0), biases 0."""
+    zero = {id(m.weight) for m in model.modules() if getattr(m, "unit_offset", False)}
     gen = None
     for name, p in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
         if p.dim() >= 2:
             p.data.normal_(0.0, std, generator=gen)
-        elif name.endswith("bias"):
+        elif name.endswith("bias") or id(p) in zero:
             p.data.zero_()
         else:
             p.data.fill_(1.0)

@@ -103,19 +103,22 @@ def paged_attention(
     return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
     """Semantics: weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim, in float32.
 
     x [..., N]: rows may be a strided view such as the heads of a [T, H, D] projection.
+    unit_offset (Gemma): the scale is (1 + weight), applied before rounding to x's dtype;
+    otherwise (Llama) the normalised row is rounded first, then scaled.
     """
-    return _impl.rms_norm(x, weight, eps)
+    return _impl.rms_norm(x, weight, eps, unit_offset)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, weight, eps), r)."""
-    return _impl.add_rms_norm(x, residual, weight, eps)
+    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, ...), r)."""
+    return _impl.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(
@@ -134,11 +137,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _impl.silu_and_mul(x)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: gelu_tanh(x[:, :I]) * x[:, I:] for x [T, 2I] (PyTorch's tanh GELU)."""
+    return _impl.gelu_tanh_and_mul(x)
+
+
 __all__ = [
     "AttentionBatch",
     "add_rms_norm",
     "LoRABatch",
     "backend_name",
+    "gelu_tanh_and_mul",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

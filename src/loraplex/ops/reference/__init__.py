@@ -3,6 +3,7 @@
 from loraplex.ops.reference.attention import paged_attention, write_kv_cache
 from loraplex.ops.reference.elementwise import (
     add_rms_norm,
+    gelu_tanh_and_mul,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
@@ -11,6 +12,7 @@ from loraplex.ops.reference.lora import lora_expand, lora_shrink
 
 __all__ = [
     "add_rms_norm",
+    "gelu_tanh_and_mul",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

@@ -7,17 +7,20 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    if unit_offset:  # Gemma: scale by (1 + w) in float32, then round
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)  # Llama: round, then scale
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, unit_offset), residual
 
 
 def rotary_embedding(
@@ -36,3 +39,8 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply of the fused gate/up projection: out = silu(x[:, :I]) * x[:, I:]."""
+"""Gated activations of the fused gate/up projection: out = act(x[:, :I]) * x[:, I:],
+act = SiLU (Llama, Qwen, Mistral) or tanh-approximated GELU (Gemma), in float32."""
 
 from __future__ import annotations
 
@@ -8,23 +9,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o,
+                       GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(u) = 2 sigmoid(2u) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     rows, width = x.shape
     size = width // 2
     assert x.stride(-1) == 1
     out = torch.empty(rows, size, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
-        x, out, size, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    _act_and_mul_kernel[(rows, triton.cdiv(size, block))](
+        x, out, size, x.stride(0), out.stride(0), GELU=gelu, BLOCK=block, num_warps=4
     )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, gelu=True)

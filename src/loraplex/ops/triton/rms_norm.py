@@ -3,7 +3,8 @@
 One program per row. With a residual, the sum x + residual is rounded to the model dtype
 (as the unfused model computes it), stored as the new residual stream, and normalised in
 float32; the normalised row is rounded before the weight multiplies it, as in Hugging
-Face's RMSNorm. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm).
+Face's Llama RMSNorm, or (UNIT_OFFSET, Gemma) scaled by 1 + weight in float32 and then
+rounded. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     N, eps,
     stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
-    INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     outer, inner = row // INNER, row % INNER
@@ -34,11 +36,14 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd).to(dtype).to(tl.float32) * w
+    if UNIT_OFFSET:
+        y = x * rstd * (1.0 + w)
+    else:
+        y = (x * rstd).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y.to(dtype), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, unit_offset):
     n = x.shape[-1]
     assert x.stride(-1) == 1 and weight.shape == (n,), (x.stride(), weight.shape)
     x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [outer, inner, N]
@@ -54,18 +59,19 @@ def _launch(x, residual, weight, eps):
         x3.stride(0), x3.stride(1),
         residual.stride(0) if residual is not None else 0,
         out.stride(0), out.stride(1),
-        INNER=x3.shape[1], HAS_RESIDUAL=residual is not None,
+        INNER=x3.shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
         BLOCK_N=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
     )
     return out.view(x.shape), res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+    return _launch(x, None, weight, eps, unit_offset)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, unit_offset)
