@@ -113,6 +113,10 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # Where the adapter was when the request arrived: "gpu" (in a slot), "host" (in
+    # memory) or "disk"; and the seconds spent reading it from disk.
+    adapter_source: str | None = None
+    adapter_load_time: float | None = None
 
 
 @dataclass

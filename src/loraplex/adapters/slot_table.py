@@ -18,6 +18,8 @@ class SlotTable:
         self._slot_of: dict[str, int] = {}
         self._refs = [0] * num_slots
         self._idle: OrderedDict[int, None] = OrderedDict()  # occupied, unreferenced; LRU first
+        self.num_loads = 0  # adapters copied into a slot
+        self.num_evictions = 0  # resident adapters replaced by another
 
     def slot_of(self, key: str) -> int | None:
         return self._slot_of.get(key)
@@ -41,6 +43,8 @@ class SlotTable:
             old = self._key_in[slot]
             if old is not None:
                 del self._slot_of[old]
+                self.num_evictions += 1
+            self.num_loads += 1
             self._key_in[slot] = key
             self._slot_of[key] = slot
         self._idle.pop(slot, None)

@@ -7,6 +7,7 @@ copy it into a GPU slot by key.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -21,22 +22,32 @@ class AdapterStore:
         self.capacity = capacity
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU first
         self._refs: dict[str, int] = {}
+        self.num_loads = 0  # adapters read from disk
+        self.num_evictions = 0  # adapters dropped from host memory
 
     def __contains__(self, key: str) -> bool:
         return key in self._adapters
 
-    def acquire(self, lora: LoRARequest) -> LoRAAdapter:
-        """Load (or find) `lora` and hold it in memory until release(). Raises AdapterError."""
-        adapter = self._adapters.get(lora.key)
-        if adapter is None:  # as in vLLM, a known key is not reloaded from a new path
-            adapter = load_peft_adapter(
+    def acquire(self, lora: LoRARequest) -> float | None:
+        """Load (or find) `lora` and hold it in memory until release(). Returns the
+        seconds spent reading it from disk (None: it was in memory). Raises AdapterError."""
+        load_time = None
+        if lora.key not in self._adapters:  # as in vLLM, a known key is not reloaded
+            t0 = time.perf_counter()
+            self._adapters[lora.key] = load_peft_adapter(
                 lora.key, lora.lora_name, lora.lora_path, self.projections, self.max_rank
             )
-            self._adapters[lora.key] = adapter
+            load_time = time.perf_counter() - t0
+            self.num_loads += 1
         self._adapters.move_to_end(lora.key)
         self._refs[lora.key] = self._refs.get(lora.key, 0) + 1
         self._evict()
-        return adapter
+        return load_time
+
+    def forget(self, key: str) -> None:
+        """Drop `key` from memory once no request holds it (an unloaded adapter)."""
+        if key not in self._refs:
+            self._adapters.pop(key, None)
 
     def release(self, key: str) -> None:
         self._refs[key] -= 1
@@ -52,3 +63,4 @@ class AdapterStore:
         idle = [k for k in self._adapters if k not in self._refs]
         while len(self._adapters) > self.capacity and idle:
             del self._adapters[idle.pop(0)]
+            self.num_evictions += 1

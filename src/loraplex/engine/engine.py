@@ -7,7 +7,7 @@ strings and produces RequestOutputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.store import AdapterStore
@@ -31,8 +31,10 @@ from loraplex.types import (
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, max_logprobs: int = 20,
-                 async_scheduling: bool = True):
+                 async_scheduling: bool = True, default_stop: tuple[str, ...] = ()):
         self.config = config
+        # Stop strings of the model itself (generation_config.json), added to every request.
+        self.default_stop = default_stop
         self.async_scheduling = async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
@@ -71,10 +73,14 @@ class LLMEngine:
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, sampling)
+        load_time = None
         if lora_request is not None:
             if self.adapters is None:
                 raise LoRADisabled(lora_request.lora_name, "engine started with max_loras=0")
-            self.adapters.acquire(lora_request)
+            load_time = self.adapters.acquire(lora_request)
+        if self.default_stop:
+            sampling = replace(sampling, stop=[*sampling.stop, *(s for s in self.default_stop
+                                                               if s not in sampling.stop)])
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -83,6 +89,9 @@ class LLMEngine:
             prompt=prompt,
             eos_token_ids=self.eos_token_ids,
         )
+        if lora_request is not None:
+            req.metrics.adapter_source = "disk" if load_time is not None else "host"
+            req.metrics.adapter_load_time = load_time
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sampling.skip_special_tokens)
         self._live[request_id] = _Live(req, detok)
         self.scheduler.add(req)
@@ -109,12 +118,39 @@ class LLMEngine:
         self.adapters.acquire(lora_request)
         self.adapters.release(lora_request.key)
 
+    def unload_adapter(self, lora_request: LoRARequest) -> None:
+        """Free an adapter's memory and GPU slot once no running request uses it."""
+        if self.adapters is not None:
+            self.adapters.forget(lora_request.key)
+            self.scheduler.slots.forget(lora_request.key)
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for monitoring (read from any thread)."""
+        out = {
+            "requests_waiting": len(self.scheduler.waiting),
+            "requests_running": len(self.scheduler.running),
+            "kv_blocks_free": self.scheduler.blocks.num_free_blocks,
+            "kv_blocks_total": self.scheduler.blocks.num_blocks,
+            "adapter_slot_loads": self.scheduler.slots.num_loads,
+            "adapter_slot_evictions": self.scheduler.slots.num_evictions,
+        }
+        if self.adapters is not None:
+            out["adapter_disk_loads"] = self.adapters.num_loads
+            out["adapter_host_evictions"] = self.adapters.num_evictions
+        return out
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         live = self._live.get(request_id)
         if live is None:
             return None
         self.scheduler.finish(live.req, "abort")
         return self._output(live.req)
+
+    def abort_all(self) -> None:
+        """End every request and forget the step in flight (shutdown, after a failure)."""
+        for request_id in list(self._live):
+            self.abort_request(request_id)
+        self._in_flight = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

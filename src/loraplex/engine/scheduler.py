@@ -120,6 +120,8 @@ class Scheduler:
                 req.lora_slot, must_load = self.slots.acquire(key)
                 if must_load:
                     plan.lora_loads[req.lora_slot] = key
+                elif req.metrics.adapter_source == "host":
+                    req.metrics.adapter_source = "gpu"
             self.blocks.grow(req.block_ids, n)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:

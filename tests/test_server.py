@@ -1,0 +1,373 @@
+"""The HTTP server end to end: a real uvicorn server on loopback, driven by the official
+`openai` client (and raw httpx where the client would refuse to send bad input)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import DEVICE, make_llm
+from transformers import PreTrainedTokenizerFast
+
+from loraplex import LoRARequest, SamplingParams
+
+ADMIN, ACME, GLOBEX = "sk-admin", "sk-acme", "sk-globex"
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chat_model(model_dirs, tmp_path_factory):
+    """The tiny Qwen3 with a chat template (prompt = the messages' words)."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("chat") / "qwen3"
+    shutil.copytree(model_dirs["qwen3"], d)
+    tok = PreTrainedTokenizerFast.from_pretrained(d)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    return d
+
+
+def serve_args(model_dir, *extra) -> list[str]:
+    return [str(model_dir), "--max-model-len", "96", "--dtype", "float32", "--max-num-seqs", "32",
+            "--max-loras", "4", "--max-lora-rank", "16", "--device", DEVICE, *extra]
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, adapter_dirs, tmp_path_factory):
+    import uvicorn
+
+    from loraplex.server.run import add_arguments, build_server
+
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps({"tenants": {"acme": [ACME], "globex": [GLOBEX]}, "admins": [ADMIN]}))
+    ads = adapter_dirs["qwen3"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(serve_args(
+        chat_model, "--api-keys-file", str(keys), "--served-model-name", "tiny",
+        "--lora-modules", f"public-ad={ads['all7-r8']}",
+        json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
+    ))
+    srv, app = build_server(args)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    srv.url = f"http://127.0.0.1:{port}"
+    yield srv
+    uv.should_exit = True
+    thread.join(10)
+
+
+def client(server, key=ADMIN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(chat_model):
+    """The same model offline: the oracle for what the server returns."""
+    return make_llm(chat_model, max_model_len=96)
+
+
+def test_completion_matches_offline_engine(server, offline):
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    want = offline.generate(["t5 t6 t7"], sp)[0].outputs[0]
+    r = client(server).completions.create(model="tiny", prompt="t5 t6 t7", max_tokens=6, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 6
+    receipt = r.model_extra["loraplex"]
+    assert receipt["adapter"] is None and receipt["completion_tokens"] == 6
+    assert receipt["ttft_ms"] > 0 and receipt["e2e_ms"] >= receipt["ttft_ms"]
+
+    stream = client(server).completions.create(
+        model="tiny", prompt="t5 t6 t7", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 6 and "loraplex" in chunks[-1].model_extra
+    ids = client(server).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0)
+    assert ids.choices[0].text == want.text
+
+
+def test_chat_streaming_and_not(server, offline):
+    msgs = [{"role": "user", "content": "t9 t10"}, {"role": "user", "content": "t11"}]
+    want = offline.generate(["t9 t10 t11 "], SamplingParams(temperature=0, max_tokens=5))[0]
+    r = client(server).chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.outputs[0].text
+    assert r.model_extra["loraplex"]["prompt_tokens"] == 3
+    chunks = list(client(server).chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_adapters_are_applied_and_listed(server, offline, adapter_dirs):
+    lora = LoRARequest("x", 1, str(adapter_dirs["qwen3"]["all7-r8"]))
+    want = offline.generate(["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=6), lora)[0]
+    r = client(server).completions.create(model="public-ad", prompt="t5 t6 t7", max_tokens=6,
+                                          temperature=0)
+    assert r.choices[0].text == want.outputs[0].text
+    assert r.model_extra["loraplex"]["adapter"] == "public-ad"
+    assert r.model_extra["loraplex"]["adapter_source"] in ("gpu", "host", "disk")
+    models = {m.id: m for m in client(server, ACME).models.list()}
+    assert set(models) == {"tiny", "public-ad", "acme-ad"}
+    assert models["acme-ad"].model_extra["parent"] == "tiny"
+
+
+def test_tenants_and_keys(server):
+    acme, globex = client(server, ACME), client(server, GLOBEX)
+    assert acme.completions.create(model="acme-ad", prompt="t5", max_tokens=2).choices
+    assert {m.id for m in globex.models.list()} == {"tiny", "public-ad"}
+    with pytest.raises(openai.NotFoundError) as hidden:
+        globex.completions.create(model="acme-ad", prompt="t5", max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as missing:
+        globex.completions.create(model="no-such-ad", prompt="t5", max_tokens=2)
+    # No hint that acme-ad exists: the same answer as for a name nobody uses.
+    assert hidden.value.message.replace("acme-ad", "X") == missing.value.message.replace("no-such-ad", "X")
+    for key in (None, "sk-wrong"):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "t5"},
+                       headers={"Authorization": f"Bearer {key}"} if key else {})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"},
+                   headers={"Authorization": f"Bearer {ACME}"})
+    assert r.status_code == 403
+
+
+def test_load_and_unload_adapters(server, adapter_dirs):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    path = str(adapter_dirs["qwen3"]["mlp-o-r16-patterns"])
+    r = httpx.post(server.url + "/v1/load_lora_adapter",
+                   json={"lora_name": "new-ad", "lora_path": path}, headers=admin)
+    assert r.status_code == 200, r.text
+    assert "new-ad" in {m.id for m in client(server, GLOBEX).models.list()}
+    out = client(server, GLOBEX).completions.create(model="new-ad", prompt="t5 t6", max_tokens=3)
+    assert out.model_extra["loraplex"]["adapter"] == "new-ad"
+    again = httpx.post(server.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "new-ad", "lora_path": path}, headers=admin)
+    assert again.status_code == 400
+    bad = httpx.post(server.url + "/v1/load_lora_adapter",
+                     json={"lora_name": "broken", "lora_path": "/no/such/dir"}, headers=admin)
+    assert bad.status_code == 400 and "broken" in bad.json()["error"]["message"]
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "new-ad"},
+                      headers=admin).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client(server).completions.create(model="new-ad", prompt="t5", max_tokens=2)
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "new-ad"},
+                      headers=admin).status_code == 404
+
+
+BAD_BODIES = [
+    ("not json", b"{model: tiny"),
+    ("wrong type", {"model": "tiny", "prompt": "t5", "max_tokens": "many"}),
+    ("missing prompt", {"model": "tiny"}),
+    ("prompt too long", {"model": "tiny", "prompt": " ".join(["t5"] * 100)}),
+    ("max_tokens 0", {"model": "tiny", "prompt": "t5", "max_tokens": 0}),
+    ("max_tokens past context", {"model": "tiny", "prompt": "t5 t6", "max_tokens": 95}),
+    ("negative temperature", {"model": "tiny", "prompt": "t5", "temperature": -0.5}),
+    ("top_p 0", {"model": "tiny", "prompt": "t5", "top_p": 0}),
+    ("top_p above 1", {"model": "tiny", "prompt": "t5", "top_p": 1.5}),
+    ("too many stops", {"model": "tiny", "prompt": "t5", "stop": [f"s{i}" for i in range(17)]}),
+    ("n above limit", {"model": "tiny", "prompt": "t5", "n": 2}),
+    ("token id out of vocab", {"model": "tiny", "prompt": [5, 100000]}),
+    ("empty messages", "chat", {"model": "tiny", "messages": []}),
+    ("bad role", "chat", {"model": "tiny", "messages": [{"role": "robot", "content": "t5"}]}),
+]
+
+
+@pytest.mark.parametrize("case", BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
+def test_bad_input_gets_a_clear_error(server, case):
+    endpoint = "/v1/chat/completions" if len(case) == 3 else "/v1/completions"
+    body = case[-1]
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server.url + endpoint, headers={"Authorization": f"Bearer {ADMIN}",
+                                                   "Content-Type": "application/json"}, **kwargs)
+    assert r.status_code in (400, 422), r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    # ... and the server still answers.
+    assert client(server).completions.create(model="tiny", prompt="t5", max_tokens=2).choices
+
+
+def _idle(server, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.engine.num_in_flight == 0 and not server.engine.engine.has_unfinished_requests():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_client_disconnect_frees_the_sequence(server):
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 90, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 2:
+                break  # leave mid-stream
+    assert _idle(server), "a disconnected stream must free its sequence"
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client giving up
+        httpx.post(server.url + "/v1/completions", headers=headers, timeout=0.05,
+                   json={**body, "stream": False, "max_tokens": 90})
+    assert _idle(server)
+    blocks = server.engine.engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_hundreds_of_concurrent_streams(server):
+    """Every stream ends with its complete answer or an explicit error."""
+
+    async def one(c, i):
+        stream = await c.completions.create(
+            model=["tiny", "public-ad", "acme-ad"][i % 3], prompt=f"t{5 + i % 50} t7",
+            max_tokens=8, stream=True, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.completion_tokens
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=ADMIN, max_retries=0,
+                               http_client=openai.DefaultAsyncHttpxClient(
+                                   limits=httpx.Limits(max_connections=400)))
+        return await asyncio.gather(*(one(c, i) for i in range(300)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert all(isinstance(e, openai.APIError) for e in errors), errors[:3]
+    answers = [r for r in results if not isinstance(r, Exception)]
+    # 8 tokens each (BOS/EOS ids among them decode to no text).
+    assert all(n == 8 and 0 < len(text.split()) <= 8 for text, n in answers)
+    assert len(errors) == 0
+    assert _idle(server)
+
+
+def test_metrics_are_prometheus(server):
+    client(server).completions.create(model="public-ad", prompt="t5", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("loraplex_requests_total", "loraplex_time_to_first_token_seconds_bucket",
+                 "loraplex_time_per_output_token_seconds_bucket",
+                 "loraplex_e2e_request_latency_seconds_count", "loraplex_num_requests_waiting",
+                 'loraplex_adapter_requests_total{tier=', 'loraplex_adapter_loads_total{tier="gpu"}',
+                 'loraplex_adapter_evictions_total{tier="host"}', "loraplex_adapter_load_seconds_count"):
+        assert name in text, name
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_bench_over_http_reports_the_in_process_metrics(server, chat_model, tmp_path):
+    from loraplex.bench.report import BenchResult
+    from loraplex.entrypoints.cli import main as cli
+
+    common = ["bench", "--model", str(chat_model), "--num-prompts", "6", "--input-len", "8",
+              "--output-len", "4", "--max-concurrency", "3", "--cache-dir", str(tmp_path)]
+    http_json, local_json = tmp_path / "http.json", tmp_path / "local.json"
+    assert cli([*common, "--base-url", server.url, "--served-model-name", "tiny",
+                "--api-key", ADMIN, "--result-json", str(http_json)]) == 0
+    assert cli([*common, "--dtype", "float32", "--result-json", str(local_json)]) == 0
+    http, local = json.loads(http_json.read_text())[0], json.loads(local_json.read_text())[0]
+    assert set(http) == set(local) == set(BenchResult.__dataclass_fields__) - {"ttfts", "tpots"}
+    assert http["num_failed"] == local["num_failed"] == 0
+    assert http["tpot_ms"]["median"] > 0 and local["tpot_ms"]["median"] > 0
+
+
+def test_shutdown_ends_every_request(chat_model, tmp_path):
+    """SIGTERM: every stream ends with its answer or an explicit error event, and the
+    process exits (the error path itself: test_drain_ends_unfinished_requests)."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = serve_args(chat_model, "--port", str(port), "--shutdown-timeout", "1",
+                      "--served-model-name", "tiny")
+    args[args.index("--max-model-len") + 1] = "512"  # room for a request longer than the drain
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.entrypoints.cli", "serve", *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        results = {}
+
+        def stream(name, max_tokens, delay):
+            body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}
+            lines = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    time.sleep(delay)  # a slow reader keeps the request alive
+            results[name] = lines
+
+        threads = [threading.Thread(target=stream, args=("short", 3, 0)),
+                   threading.Thread(target=stream, args=("long", 500, 0.01))]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        # uvicorn re-raises the signal once it has shut down gracefully.
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        proc.kill()
+    short, long_ = results["short"], results["long"]
+    assert short[-1] == "data: [DONE]" and json.loads(short[-2][6:])["choices"][0]["finish_reason"]
+    assert long_[-1] == "data: [DONE]"
+    last = json.loads(long_[-2][6:])
+    finished = "choices" in last and last["choices"][0]["finish_reason"] == "length"
+    assert finished or ("shut down" in last["error"]["message"] and last["error"]["code"] == 503)
+
+
+def test_drain_ends_unfinished_requests(chat_model):
+    """Shutdown gives running requests the drain window, then ends them with an error;
+    new requests are refused."""
+    from loraplex.engine.async_engine import AsyncEngine, EngineShutdown
+
+    llm = make_llm(chat_model, max_model_len=512)
+    engine = AsyncEngine(llm.engine)
+
+    async def main():
+        sp = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+        stream = await engine.submit("long", [5, 6], sp)
+        await stream.__anext__()
+        shutdown = asyncio.ensure_future(engine.shutdown(drain_timeout=0.05))
+        await asyncio.sleep(0.01)
+        with pytest.raises(EngineShutdown):
+            await engine.submit("late", [5, 6], sp)
+        with pytest.raises(EngineShutdown, match="shut down"):
+            async for _ in stream:
+                pass
+        await shutdown
+
+    asyncio.run(main())
+    assert not llm.engine.has_unfinished_requests()
