@@ -270,6 +270,8 @@ def test_hundreds_of_concurrent_streams(server):
 
 def test_metrics_are_prometheus(server):
     client(server).completions.create(model="public-ad", prompt="t5", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client(server).completions.create(model="tiny", prompt="t5", max_tokens=-1)
     text = httpx.get(server.url + "/metrics").text
     for name in ("loraplex_requests_total", "loraplex_time_to_first_token_seconds_bucket",
                  "loraplex_time_per_output_token_seconds_bucket",
@@ -277,6 +279,7 @@ def test_metrics_are_prometheus(server):
                  'loraplex_adapter_requests_total{tier=', 'loraplex_adapter_loads_total{tier="gpu"}',
                  'loraplex_adapter_evictions_total{tier="host"}', "loraplex_adapter_load_seconds_count"):
         assert name in text, name
+    assert 'loraplex_requests_total{endpoint="completions",outcome="rejected"}' in text
     assert httpx.get(server.url + "/health").status_code == 200
 
 

@@ -155,8 +155,15 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     app.state.server = server
 
+    def rejected(request: Request) -> None:
+        endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(
+            request.url.path)
+        if endpoint is not None:
+            server.metrics.requests.labels(endpoint, "rejected").inc()
+
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_, exc: RequestValidationError):
+    async def _bad_body(request: Request, exc: RequestValidationError):
+        rejected(request)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
@@ -164,7 +171,8 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
                             status_code=400)
 
     @app.exception_handler(LoraplexError)
-    async def _typed(_, exc: LoraplexError):
+    async def _typed(request: Request, exc: LoraplexError):
+        rejected(request)
         return _error_response(exc)
 
     def tenant_of(request: Request) -> Tenant:
