@@ -15,9 +15,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from loraplex.engine.engine import LLMEngine
 from loraplex.errors import LoraplexError
@@ -34,18 +33,14 @@ class EngineFailure(LoraplexError):
     """The engine raised while stepping; the requests in it were ended."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class RequestStream:
     """One request's outputs, in order; close() (or a finished output) ends it, and
     closing it before it finishes aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, q: asyncio.Queue):
-        self.engine, self.request_id, self.queue = engine, request_id, q
+    def __init__(self, engine: AsyncEngine, request_id: str):
+        self.engine, self.request_id = engine, request_id
+        self.loop = asyncio.get_running_loop()  # the engine thread delivers into it
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.closed = False
 
@@ -81,7 +76,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._accepting = True
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
@@ -107,8 +102,8 @@ class AsyncEngine:
         server can answer with a status code before it starts streaming."""
         if not self._accepting:
             raise EngineShutdown("the server is shutting down")
-        stream = RequestStream(self, request_id, asyncio.Queue())
-        self._streams[request_id] = _Stream(asyncio.get_running_loop(), stream.queue)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids, sampling,
                                                     lora_request, prompt))
@@ -116,15 +111,6 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             raise
         return stream
-
-    async def generate(self, *args, **kwargs) -> AsyncIterator[RequestOutput]:
-        """submit() and iterate; leaving early aborts the request."""
-        stream = await self.submit(*args, **kwargs)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     async def call(self, fn: Callable[[LLMEngine], object]):
         """Run fn(engine) on the engine thread and return its result (or raise)."""
