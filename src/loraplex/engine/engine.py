@@ -39,7 +39,11 @@ class LLMEngine:
         self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
-        self.runner = ModelRunner(config)
+        eos = set(config.model.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.runner = ModelRunner(config, self.eos_token_ids)
         self.adapters = None
         if config.lora.enabled:
             shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
@@ -50,11 +54,6 @@ class LLMEngine:
             BlockManager(self.runner.num_blocks, config.cache.block_size),
             SlotTable(config.lora.max_loras),
         )
-        eos = set(config.model.eos_token_ids)
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        self.runner.eos_token_ids = self.eos_token_ids
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
 

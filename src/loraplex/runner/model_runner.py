@@ -38,11 +38,12 @@ logger = logging.getLogger("loraplex")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, adapters: AdapterStore | None = None):
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.adapters = adapters
+        # Set by the engine once the store exists (the store needs our projection shapes).
+        self.adapters: AdapterStore | None = None
         self.model = self._load_model()
         self.projections = projection_index(self.model)
         lora = config.lora
@@ -62,7 +63,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
-        self.eos_token_ids: tuple[int, ...] = config.model.eos_token_ids  # min_tokens bans these
+        self.eos_token_ids = eos_token_ids  # min_tokens bans these
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
         # The last step's sampled ids on the device, and each request's row in them.
         self._last_token_ids: torch.Tensor | None = None
