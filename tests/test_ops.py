@@ -128,23 +128,53 @@ def naive_attention(q, k, v, scale, window):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention(backend, window, dtype):
-    gen = torch.Generator().manual_seed(0)
-    block_size, num_blocks, num_heads, num_kv, head_dim = 4, 40, 6, 2, 8
     # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix.
     seqs = [(0, 1), (9, 1), (0, 7), (5, 6), (12, 1), (3, 13)]
+    check_paged_attention(seqs, window, dtype, num_heads=6, num_kv=2, head_dim=8)
+
+
+# (GQA group, head_dim, window, MAX_SPLITS): 2 splits make a program cover several partitions.
+DECODE_SHAPES = [(1, 64, None, 64), (4, 128, None, 64), (8, 80, None, 2), (4, 64, 21, 64),
+                 (8, 128, 40, 64), (1, 80, 37, 2)]
+
+
+@pytest.mark.parametrize("group,head_dim,window,max_splits", DECODE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_splits, dtype):
+    """Decode batches through the split-KV kernels, with 16-token partitions so that small
+    contexts split: shorter than, equal to and several partitions long, mixed in one
+    batch, beside padding sequences in a table as wide as a CUDA graph's."""
+    from loraplex.ops.triton import paged_decode
+
+    monkeypatch.setattr(paged_decode, "PARTITION_SIZE", 16)
+    monkeypatch.setattr(paged_decode, "MAX_SPLITS", max_splits)
+    seqs = [(4, 1), (15, 1), (0, 1), (70, 1), (31, 1), (47, 1), None, None]
+    batch = check_paged_attention(seqs, window, dtype, num_heads=2 * group, num_kv=2,
+                                  head_dim=head_dim, table_width=30)
+    splits = paged_decode.num_splits(batch, 4, 2, window)
+    assert splits == min(max_splits, math.ceil(min(30 * 4, (window or 999) + 15) / 16)) > 1
+
+
+def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, block_size=4,
+                          table_width=None) -> AttentionBatch:
+    """Write each sequence's new keys/values into scattered pages, run paged_attention,
+    compare every sequence with the naive loop. seqs: (cached tokens, new tokens), or
+    None for a CUDA graph's padding sequence (one token, no context, no KV slot)."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = sum(math.ceil(sum(s) / block_size) for s in seqs if s) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered pages
     tables, slot_mapping, qsl, seq_lens = [], [], [0], []
-    for cached, new in seqs:
+    for cached, new in (s or (0, 0) for s in seqs):
         length = cached + new
         pages = [free.pop() for _ in range(math.ceil(length / block_size))]
         tables.append(pages)
         slot_mapping += [pages[p // block_size] * block_size + p % block_size
-                         for p in range(cached, length)]
-        qsl.append(qsl[-1] + new)
+                         for p in range(cached, length)] or [-1]
+        qsl.append(qsl[-1] + max(new, 1))
         seq_lens.append(length)
-    width = max(map(len, tables))
+    width = table_width or max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     num_tokens = qsl[-1]
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
@@ -160,7 +190,7 @@ def test_paged_attention(backend, window, dtype):
         block_tables=table.to(**dev),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
-        max_query_len=max(n for _, n in seqs),
+        max_query_len=max(qsl[b + 1] - qsl[b] for b in range(len(seqs))),
         max_seq_len=max(seq_lens),
     )
     kc, vc = k_cache.clone().to(**dev), v_cache.clone().to(**dev)
@@ -170,13 +200,19 @@ def test_paged_attention(backend, window, dtype):
 
     flat_k = kc.cpu().view(-1, num_kv, head_dim)
     flat_v = vc.cpu().view(-1, num_kv, head_dim)
-    assert torch.equal(flat_k[batch.slot_mapping.cpu()], k_new)
-    for b, (cached, new) in enumerate(seqs):
-        length = cached + new
+    real = batch.slot_mapping.cpu() >= 0
+    assert torch.equal(flat_k[batch.slot_mapping.cpu()[real]], k_new[real])
+    for b, length in enumerate(seq_lens):
+        rows = slice(qsl[b], qsl[b + 1])
+        if seqs[b] is None:  # padding: the reference has no keys to attend; kernels write 0
+            if ops.backend_name() == "triton":
+                assert torch.equal(out[rows], torch.zeros_like(out[rows])), b
+            continue
         slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(length)]
-        ref = naive_attention(q[qsl[b] : qsl[b + 1]], flat_k[slots], flat_v[slots], scale, window)
-        err = (out[qsl[b] : qsl[b + 1]].double() - ref).norm() / ref.norm()
+        ref = naive_attention(q[rows], flat_k[slots], flat_v[slots], scale, window)
+        err = (out[rows].double() - ref).norm() / ref.norm()
         assert err <= REL_TOL[dtype], (b, err)
+    return batch
 
 
 def test_rms_norm_rotary_silu(backend):

@@ -7,7 +7,9 @@ is read once for the whole group. The program walks the sequence's block table o
 visible keys (causal, optionally a sliding window), keeping a running max and sum
 (online softmax), so no score matrix is ever materialised. New tokens' keys/values are
 already in the cache (write_kv_cache runs first): a chunk appended to a cached prefix
-and a single decode token are the same case.
+and a single decode token are the same case. Decode batches whose contexts may span
+several partitions go to the split-KV kernels of paged_decode.py instead, which spread
+each context over several programs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
 
 
@@ -125,6 +128,10 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    if batch.max_query_len == 1:  # decode: split long contexts over programs (host-known bound)
+        splits = num_splits(batch, page, num_kv_heads, sliding_window)
+        if splits > 1:
+            return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits)
     out = torch.empty_like(q)
     cfg = attention_config(batch.max_query_len, group)
     block_q = cfg["BLOCK_M"] // group

@@ -1,0 +1,225 @@
+"""Split-KV ("flash-decoding") attention for decode steps over the paged KV cache.
+
+A decode step has one query token per sequence, so the single-pass kernel
+(paged_attention.py) runs only sequences x KV heads programs, each walking a whole
+context: 32 x 8 = 256 programs on a 132-SM GPU leave memory bandwidth unused. Here a
+sequence's visible keys are cut into partitions of PARTITION_SIZE tokens, and program
+(split, sequence, KV head) reduces its span of partitions to a partial result, for all
+query heads of the KV head in one tile (grouped-query attention, as in the single-pass
+kernel): the unnormalised output and its running max and sum, in float32 scratch. A
+second kernel merges each (sequence, query head)'s partials with the log-sum-exp trick.
+
+CUDA graphs: a captured decode step is replayed for any context lengths, so launches
+depend on host-known bounds only, never on seq_lens. The split count comes from the
+block table's width (no context outgrows its table row; a graph's rows span
+max_model_len), the window, and the batch size; both kernels derive each sequence's
+spans from seq_lens on the device, so programs past a context exit at once and the merge
+reads only partials that were written. Scratch is one grow-only buffer per device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.triton.precision import dot_settings
+
+# Keys per partition. 256 splits a ~600-token context 3 ways (768 programs for 32 seqs x
+# 8 KV heads: ~2 waves on an H200 with no program longer than 256 keys); 512 would leave
+# a 2:1 imbalance there. A multiple of BLOCK_N.
+PARTITION_SIZE = 256
+# Splits stop where a launch reaches about this many programs (~8 per SM on an H200):
+# more only add scratch traffic and, in graphs sized for max_model_len, programs that
+# exit at once. Past it a program covers several consecutive partitions.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 64  # the merge holds one head's partials in one [MAX_SPLITS, BLOCK_D] tile
+
+
+def decode_config(group: int) -> dict:
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, PARTITION_SIZE),
+                num_warps=4, num_stages=2)
+
+
+def num_splits(batch: AttentionBatch, page: int, num_kv_heads: int, sliding_window: int | None) -> int:
+    """Programs per (sequence, KV head), from host-known values only (graph safe)."""
+    span = batch.block_tables.shape[1] * page  # bounds every context of the batch
+    if sliding_window is not None:  # visible keys start at most BLOCK_N - 1 before the window
+        span = min(span, sliding_window + decode_config(1)["BLOCK_N"] - 1)
+    fill = triton.cdiv(TARGET_PROGRAMS, max(1, batch.num_seqs * num_kv_heads))
+    return max(1, min(triton.cdiv(span, PARTITION_SIZE), fill, MAX_SPLITS))
+
+
+_scratch: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # outgrown buffers: graphs captured on them still use them
+
+
+def _scratch_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    buf = _scratch.get(device)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _retired.append(buf)  # sizes double, so all retired ones sum to less than buf
+        buf = torch.empty(triton.next_power_of_2(numel), dtype=torch.float32, device=device)
+        _scratch[device] = buf
+    return buf[:numel]
+
+
+@triton.jit
+def _spans(ctx_len, window, splits, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+           USE_WINDOW: tl.constexpr):
+    """First key of the decode token's visible range, and the keys one split covers."""
+    kv_begin = ctx_len * 0
+    if USE_WINDOW:  # aligned down as the single-pass kernel does
+        kv_begin = tl.maximum(ctx_len - window, 0) // BLOCK_N * BLOCK_N
+    parts = tl.cdiv(ctx_len - kv_begin, PARTITION)
+    return kv_begin, tl.cdiv(parts, splits) * PARTITION
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, acc_ptr, max_ptr, sum_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale, window, splits, num_heads,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    split = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    kv_begin, span = _spans(ctx_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
+    start = kv_begin + split * span
+    if start >= ctx_len:  # past this context (or a padding sequence: ctx_len 0)
+        return
+    end = tl.minimum(start + span, ctx_len)
+    token = tl.load(query_start_loc_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)  # row r: query head r of the group; rows >= GROUP unused
+    head = kv_head * GROUP + rows % GROUP
+    row_mask = rows < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    # Every tile holds a visible key (the window's first key lies in the first tile), so
+    # the running max is finite after the first tile and needs no -inf guard.
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < end
+        page = tl.load(table + n // PAGE, mask=n_mask, other=0)
+        k_off = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        v_off = page * stride_vb + (n % PAGE) * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
+                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        visible = n_mask
+        if USE_WINDOW:
+            visible = visible & (n >= ctx_len - window)
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    slot = (seq * num_heads + head) * splits + split  # scratch is [B, Hq, splits, (D)]
+    tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc,
+             mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(max_ptr + slot, m_i, mask=row_mask)
+    tl.store(sum_ptr + slot, l_i, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    acc_ptr, max_ptr, sum_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr,
+    window, splits, num_heads,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    kv_begin, span = _spans(ctx_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
+    s = tl.arange(0, BLOCK_S)
+    written = (s < splits) & (kv_begin + s * span < ctx_len)  # the split kernel's exit test
+    slot = (seq * num_heads + head) * splits + s
+    m = tl.load(max_ptr + slot, mask=written, other=float("-inf"))
+    l_s = tl.load(sum_ptr + slot, mask=written, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padding sequence: nothing written
+    w = tl.where(written, tl.exp(m - m_all), 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=written[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(tl.sum(l_s * w, axis=0), 1e-30)
+    token = tl.load(query_start_loc_ptr + seq)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    scale: float,
+    sliding_window: int | None,
+    splits: int,
+) -> torch.Tensor:
+    """paged_attention for a batch of one query token per sequence, in `splits` pieces."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_seqs = batch.num_seqs
+    cfg = decode_config(group)
+    assert PARTITION_SIZE % cfg["BLOCK_N"] == 0, "a partition is whole key tiles"
+    out = torch.empty_like(q)
+    # All attention calls on a device share the scratch: they run in stream order, and a
+    # partial is dead once merged. Views of one buffer keep its address fixed for graphs.
+    n = num_seqs * num_heads * splits
+    buf = _scratch_buffer(n * (head_dim + 2), q.device)
+    acc, m, l_s = buf[: n * head_dim], buf[n * head_dim : n * (head_dim + 1)], buf[n * (head_dim + 1) :]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    window = sliding_window or 0
+    common = dict(PARTITION=PARTITION_SIZE, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=sliding_window is not None)
+    _decode_split_kernel[(splits, num_seqs, num_kv_heads)](
+        q, k_cache, v_cache, acc, m, l_s,
+        batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        scale, window, splits, num_heads,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        batch.block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_M=cfg["BLOCK_M"],
+        **common, **dot_settings(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    block_s = triton.next_power_of_2(splits)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        acc, m, l_s, out, batch.seq_lens, batch.query_start_loc,
+        window, splits, num_heads, *out.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
+        num_warps=min(8, max(1, block_s * block_d // 1024)),
+    )
+    return out
