@@ -63,8 +63,8 @@ def run_variant(model_dir, overrides, batch=32, adapters=32, prompt_len=512):
         with ops.using_backend("triton"):
             runner.graphs.capture()
     shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
-    paths = prepare_adapters(CACHE, Path(model_dir).name, shapes, adapters, 16)
-    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in enumerate(paths)]
+    paths = prepare_adapters(CACHE, Path(model_dir).name, shapes, list(range(adapters)), 16)
+    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
     sp = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [1000 + i] * prompt_len, sp, loras[i % adapters])

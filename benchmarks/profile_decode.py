@@ -31,8 +31,9 @@ def main():
               max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256)
     engine, runner = llm.engine, llm.engine.runner
     shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
-    paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes, args.adapters, 16)
-    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in enumerate(paths)]
+    paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes,
+                             list(range(args.adapters)), 16)
+    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
 
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
         sp = SamplingParams(temperature=1.0, max_tokens=args.steps + 20, ignore_eos=True)

@@ -113,6 +113,8 @@ def test_base_requests_are_bit_identical_beside_adapters(model_dirs, adapter_dir
         LoRARequest(name, i + 1, str(adapter_dirs["qwen2"][name])) for i, name in enumerate(ADAPTERS)
     ]
     mixed = [None if i % 2 == 0 else adapters[i // 2 % 3] for i in range(len(prompts))]
+    for lora in adapters:  # in memory before the batch starts: both runs get one schedule
+        llm.engine.load_adapter(lora)
     sp = SamplingParams(
         temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=3, logprobs=3
     )

@@ -178,6 +178,72 @@ def test_load_and_unload_adapters(server, adapter_dirs):
                       headers=admin).status_code == 404
 
 
+@pytest.fixture(scope="module")
+def registry_server(chat_model, adapter_dirs, tmp_path_factory):
+    """A server with an adapter registry and a pinned adapter."""
+    import uvicorn
+
+    from loraplex.adapters.registry import Registry
+    from loraplex.server.run import add_arguments, build_server
+
+    root = tmp_path_factory.mktemp("registry")
+    registry = Registry(str(root))
+    ads = adapter_dirs["qwen3"]
+    registry.publish("support", ads["qv-r4-rslora"])
+    registry.publish("support", ads["all7-r8"])
+    _, broken = registry.publish("broken", ads["mlp-o-r16-patterns"])
+    blob = root / "blobs" / broken.replace(":", "-") / "adapter_model.safetensors"
+    blob.write_bytes(blob.read_bytes()[:100])  # truncated after publishing
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(serve_args(
+        chat_model, "--served-model-name", "tiny", "--lora-registry", str(root),
+        "--lora-modules", f"pinned-ad={ads['all7-r8']}", "--pinned-loras", "pinned-ad",
+        "--lora-cache-dir", str(tmp_path_factory.mktemp("lora-cache")), "--lora-load-timeout", "3"))
+    srv, app = build_server(args)
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.02)
+    srv.url = f"http://127.0.0.1:{port}"
+    yield srv
+    uv.should_exit = True
+    thread.join(10)
+
+
+def test_registry_adapters_pinning_and_load_failures(registry_server, offline, adapter_dirs):
+    ads = adapter_dirs["qwen3"]
+    c = client(registry_server)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for model, adapter in [("support", "all7-r8"), ("support@1", "qv-r4-rslora"), ("pinned-ad", "all7-r8")]:
+        want = offline.generate(["t5 t6 t7"], sp, LoRARequest(adapter, 1, str(ads[adapter])))[0]
+        r = c.completions.create(model=model, prompt="t5 t6 t7", max_tokens=5, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.outputs[0].text, model
+        assert r.model_extra["loraplex"]["adapter_content_id"] == want.metrics.adapter_content_id
+    assert r.model_extra["loraplex"]["adapter_source"] == "gpu", "pinned: always in a slot"
+    assert {"support", "broken", "pinned-ad"} <= {m.id for m in c.models.list()}
+    slots = registry_server.engine.engine.scheduler.slots
+    pinned = slots.slot_of(r.model_extra["loraplex"]["adapter_content_id"])
+    assert pinned is not None and slots.refs(pinned) == 1, "the pin holds its slot between requests"
+
+    # The registry knows "broken" but its file is truncated: the load fails on a loader
+    # thread, and the request (streaming or not) gets a 400 before any chunk.
+    with pytest.raises(openai.BadRequestError, match="broken"):
+        c.completions.create(model="broken", prompt="t5", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="broken"):
+        list(c.chat.completions.create(model="broken", messages=[{"role": "user", "content": "t5"}],
+                                       max_tokens=2, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="support@7", prompt="t5", max_tokens=2)
+    unreachable = httpx.post(registry_server.url + "/v1/load_lora_adapter",
+                             json={"lora_name": "far", "lora_path": "http://127.0.0.1:1/far"})
+    assert unreachable.status_code == 503 and "far" in unreachable.json()["error"]["message"]
+    assert c.completions.create(model="tiny", prompt="t5", max_tokens=2).choices[0].finish_reason
+
+
 BAD_BODIES = [
     ("not json", b"{model: tiny"),
     ("wrong type", {"model": "tiny", "prompt": "t5", "max_tokens": "many"}),

@@ -176,8 +176,18 @@ class LoRAConfig:
     # GPU slots: adapters that can be in one batch at once.
     max_loras: int = 8
     max_lora_rank: int = 64
-    # Adapters kept loaded in host memory (None: 4 x max_loras).
+    # Adapters kept loaded in host memory (None: 4 x max_loras), and optionally a byte
+    # budget for them.
     max_cpu_loras: int | None = None
+    max_cpu_lora_bytes: int | None = None
+    # Registry of named, versioned adapters (a directory or fsspec URL), for requests
+    # that give a name (name@version) and no path.
+    registry: str | None = None
+    # Downloaded (remote) adapters, by content id, on local disk.
+    disk_cache_dir: str | None = None  # None: $LORAPLEX_CACHE/adapters
+    disk_cache_bytes: int = 32 << 30
+    load_workers: int = 4  # threads reading adapters
+    load_timeout: float = 120.0  # seconds before a load counts as failed (hung source)
 
     def __post_init__(self):
         if self.max_loras < 0 or self.max_lora_rank <= 0:
@@ -197,6 +207,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    # Waiting requests whose adapter cannot get a GPU slot are passed over for ones that
+    # can run now, until the oldest has waited this long; then only requests that need
+    # no slot are admitted until it gets one.
+    max_adapter_wait: float = 2.0
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) <= 0:

@@ -49,3 +49,7 @@ class AdapterTooLarge(AdapterInvalid):
 
 class LoRADisabled(AdapterError):
     """A request named an adapter but the engine was started with no adapter slots."""
+
+
+class AdapterUnavailable(AdapterError):
+    """The adapter's source could not be reached or did not answer in time."""

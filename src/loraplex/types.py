@@ -114,9 +114,11 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     # Where the adapter was when the request arrived: "gpu" (in a slot), "host" (in
-    # memory) or "disk"; and the seconds spent reading it from disk.
+    # memory), "disk" (local files) or "remote" (downloaded); the seconds spent reading
+    # it into memory; and its content id (see adapters/manifest.py).
     adapter_source: str | None = None
     adapter_load_time: float | None = None
+    adapter_content_id: str | None = None
 
 
 @dataclass
@@ -126,7 +128,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -144,6 +146,8 @@ class RequestOutput:
     finished: bool
     lora_request: LoRARequest | None = None
     metrics: RequestMetrics | None = None
+    # Why the request failed (finish_reason "error"), e.g. its adapter could not load.
+    error: Exception | None = None
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ For each fused projection layer (e.g. qkv_proj) there is one A tensor
 [slices, max_loras, max_rank, in] and one B tensor [max_loras, out, max_rank]; slot s
 of every layer holds the same adapter. Ranks below max_rank are zero-padded, and the
 per-slot rank tells kernels where the real columns end. Loading an adapter is a copy
-into its slot; the base weights are never touched.
+into its slot; the base weights are never touched. Columns past an adapter's rank must
+be zero (the reference ops and a projection the adapter does not target read them), so
+a load zeroes exactly what the slot's previous adapter wrote beyond the new one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ class LoRASlotBuffers:
         self.projections = projections
         self.max_loras = max_loras
         self.ranks = [0] * max_loras  # rank of the adapter in each slot, 0 = empty
-        self.layers = list({id(p.layer): p.layer for p in projections.values()}.values())
+        self._layer_by_id = {id(p.layer): p.layer for p in projections.values()}
+        self.layers = list(self._layer_by_id.values())
+        self.max_loras = max_loras
+        self.dora_slots: set[int] = set()  # slots holding a DoRA adapter
+        # Per slot: (layer id, slice) -> rank of the columns last written there.
+        self._written: list[dict[tuple[int, int], int]] = [{} for _ in range(max_loras)]
         for layer in self.layers:
             n_slices = len(layer.output_sizes)
             layer.lora_a = torch.zeros(
@@ -51,17 +58,58 @@ class LoRASlotBuffers:
         return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy `adapter` into `slot`, replacing whatever was there."""
-        self.clear(slot)
+        """Copy `adapter` into `slot` (asynchronously from pinned memory, on the current
+        stream). Only what the previous occupant left beyond the new ranks is zeroed."""
+        written = {}
         for module, (a, b) in adapter.weights.items():
             proj = self.projections[module]
-            r = a.shape[0]
-            proj.layer.lora_a[proj.slice, slot, :r].copy_(a, non_blocking=True)
-            proj.layer.lora_b[slot, proj.layer.slice_rows(proj.slice), :r].copy_(b, non_blocking=True)
+            layer, r = proj.layer, a.shape[0]
+            layer.lora_a[proj.slice, slot, :r].copy_(a, non_blocking=True)
+            layer.lora_b[slot, layer.slice_rows(proj.slice), :r].copy_(b, non_blocking=True)
+            written[(id(layer), proj.slice)] = r
+        for (layer_id, i), old_r in self._written[slot].items():
+            r = written.get((layer_id, i), 0)
+            if old_r > r:
+                layer = self._layer_by_id[layer_id]
+                layer.lora_a[i, slot, r:old_r].zero_()
+                layer.lora_b[slot, layer.slice_rows(i), r:old_r].zero_()
+        self._written[slot] = written
         self.ranks[slot] = adapter.rank
+        if slot in self.dora_slots:
+            for layer in self.layers:
+                if layer.lora_scale is not None:
+                    layer.lora_scale[slot] = 1.0
+            self.dora_slots.discard(slot)
+        if adapter.magnitudes:
+            self._load_dora(slot, adapter)
+
+    def _load_dora(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Row scales m / ||W + s B A|| (PEFT's DoRA), from the weights now in the slot:
+        ||W + BA||^2 = ||W||^2 + 2 rowsum((W A^T) * B) + rowsum((B A A^T) * B), so the
+        dense delta B A is never formed (B already carries the scaling s)."""
+        for module, mag in adapter.magnitudes.items():
+            proj = self.projections[module]
+            layer, rows = proj.layer, proj.layer.slice_rows(proj.slice)
+            r = adapter.weights[module][0].shape[0]
+            a = layer.lora_a[proj.slice, slot, :r].float()
+            b = layer.lora_b[slot, rows, :r].float()
+            w = layer.weight[rows]
+            wa = (w @ a.to(w.dtype).T).float()
+            norm2 = (torch.linalg.vector_norm(w, dim=1, dtype=torch.float32) ** 2
+                     + 2 * (wa * b).sum(1) + ((b @ (a @ a.T)) * b).sum(1))
+            if layer.lora_scale is None:
+                layer.lora_scale = torch.ones(self.max_loras + 1, layer.weight.shape[0],
+                                              dtype=torch.float32, device=layer.weight.device)
+            layer.lora_scale[slot, rows] = mag.to(layer.lora_scale.device, non_blocking=True) / norm2.sqrt()
+        self.dora_slots.add(slot)
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
             layer.lora_a[:, slot].zero_()
             layer.lora_b[slot].zero_()
+        self._written[slot] = {}
         self.ranks[slot] = 0
+        for layer in self.layers:
+            if layer.lora_scale is not None:
+                layer.lora_scale[slot] = 1.0
+        self.dora_slots.discard(slot)

@@ -34,6 +34,10 @@ def run_in_process(engine, requests: list[BenchRequest], adapters: list[LoRARequ
         now = time.perf_counter()
         for out in outputs:
             rec = records[out.request_id]
+            if out.error is not None:
+                rec.error = str(out.error)
+            rec.adapter_source = out.metrics.adapter_source
+            rec.adapter_load_time = out.metrics.adapter_load_time
             n = len(out.outputs[0].token_ids)
             rec.token_times.extend([now] * (n - rec.num_output_tokens))
             rec.num_output_tokens = n

@@ -8,6 +8,7 @@ tokens over the wall time from the first send to the last token.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -19,6 +20,8 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     error: str | None = None
+    adapter_source: str | None = None  # the tier its adapter came from (receipt)
+    adapter_load_time: float | None = None
 
 
 @dataclass
@@ -53,6 +56,13 @@ def summarize(label: str, records: list[RequestRecord], extra: dict | None = Non
     tpots = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
              for r in ok if len(r.token_times) > 1]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    tiers = Counter(r.adapter_source for r in records if r.adapter_source)
+    loads = [r.adapter_load_time * 1e3 for r in records if r.adapter_load_time is not None]
+    extra = dict(extra or {})
+    if tiers:
+        extra["adapter_tiers"] = dict(tiers)
+    if loads:
+        extra["adapter_load_ms"] = _stats(loads)
     return BenchResult(
         label=label,
         num_requests=len(records),
@@ -63,7 +73,7 @@ def summarize(label: str, records: list[RequestRecord], extra: dict | None = Non
         ttft_ms=_stats(ttfts),
         tpot_ms=_stats(tpots),
         itl_ms=_stats(itls),
-        extra=extra or {},
+        extra=extra,
         ttfts=ttfts,
         tpots=tpots,
     )

@@ -1,10 +1,13 @@
 """`loraplex bench`: serving benchmark in the manner of `vllm bench serve` (random dataset).
 
 Each value of --num-adapters is one run over the same workload shape: 0 is the base
-model; K > 0 spreads requests over K adapters (uniform or Zipf). In-process runs build
-the engine once, pre-load the adapters (as vLLM's --lora-modules does) and warm up every
-kernel before timing. With --base-url the same workload goes to an OpenAI-compatible
-server, each adapter named bench-adapter-<i>.
+model; K > 0 spreads requests over K adapters (one run per --adapter-dist: uniform or
+Zipf). In-process runs build the engine once, pre-load the adapters (as vLLM's
+--lora-modules does) and warm up every kernel before timing; with --cold-adapters the
+adapters stay on disk until a request needs them (the tiered store under load: loads
+from disk, host and GPU evictions), and only the adapters the runs use are written.
+With --base-url the same workload goes to an OpenAI-compatible server, each adapter
+named bench-adapter-<i>.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--num-adapters", type=int, nargs="+", default=[0],
                    help="one run per value; 0 = base model")
-    p.add_argument("--adapter-dist", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--adapter-dist", nargs="+", default=["uniform"], choices=["uniform", "zipf"])
+    p.add_argument("--cold-adapters", action="store_true",
+                   help="adapters start on disk: nothing pre-loaded into host memory or GPU slots")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="host-memory adapters (default: K pre-loaded; 4 x max-loras cold)")
+    p.add_argument("--lora-load-workers", type=int, default=8)
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS))
     p.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: max K)")
@@ -56,16 +64,21 @@ def main(args: argparse.Namespace) -> int:
     results = []
     if args.base_url:
         vocab = _vocab_size(model_dir)
-        for k in args.num_adapters:
+        for k, dist in _runs(args):
             reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
-                                 args.adapter_dist, args.seed)
+                                 dist, args.seed)
             names = [f"bench-adapter-{i}" for i in range(k)]
             records = run_http(args.base_url, args.served_model_name or str(args.model), reqs,
                                names, args.max_concurrency, args.api_key)
-            results.append(summarize(_label(args, k), records))
+            results.append(summarize(_label(args, k, dist), records))
     else:
         results = _run_in_process(args, model_dir, dummy)
     print(format_table(results))
+    for r in results:
+        if "adapter_tiers" in r.extra:
+            load = r.extra.get("adapter_load_ms", {})
+            print(f"{r.label}: adapter tiers {r.extra['adapter_tiers']}, load ms median "
+                  f"{load.get('median', 0):.1f} p99 {load.get('p99', 0):.1f}")
     if args.result_json:
         Path(args.result_json).write_text(to_json(results))
     if args.plot:
@@ -73,8 +86,13 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _label(args, k: int) -> str:
-    who = "base" if k == 0 else f"{k} adapters ({args.adapter_dist})"
+def _runs(args) -> list[tuple[int, str]]:
+    return [(k, d) for k in args.num_adapters for d in (args.adapter_dist if k else ["none"])]
+
+
+def _label(args, k: int, dist: str) -> str:
+    cold = ", cold" if args.cold_adapters and k else ""
+    who = "base" if k == 0 else f"{k} adapters ({dist}{cold})"
     return f"{args.model} {args.input_len}/{args.output_len} c{args.max_concurrency} {who}"
 
 
@@ -89,37 +107,50 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
 
     max_k = max(args.num_adapters)
     max_model_len = args.max_model_len or args.input_len + args.output_len + 16
+    max_loras = args.max_loras or max(1, min(max_k, 32 if args.cold_adapters else max_k))
+    host = args.max_cpu_loras or (4 * max_loras if args.cold_adapters else max(max_k, 1))
     llm = LLM(
         str(model_dir), dtype=args.dtype, load_format="dummy" if dummy else "auto",
-        seed=args.seed, max_loras=args.max_loras or max(1, max_k),
-        max_lora_rank=args.lora_rank, max_cpu_loras=max(max_k, 1),
+        seed=args.seed, max_loras=max_loras, lora_load_workers=args.lora_load_workers,
+        max_lora_rank=args.lora_rank, max_cpu_loras=host,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         enforce_eager=args.enforce_eager,
     )
     engine = llm.engine
     vocab = llm.config.model.vocab_size
-    adapters = []
+    workloads = {(k, d): make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
+                                       d, args.seed) for k, d in _runs(args)}
+    adapters, warm = [], []
     if max_k:
         shapes = {k: (p.in_features, p.out_features) for k, p in engine.runner.projections.items()}
         t0 = time.perf_counter()
+        used = sorted({r.adapter for reqs in workloads.values() for r in reqs if r.adapter is not None})
+        used = used if args.cold_adapters else range(max_k)
         paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
-                                 projections=shapes, count=max_k, rank=args.lora_rank,
+                                 projections=shapes, indices=list(used), rank=args.lora_rank,
                                  targets=tuple(args.lora_targets))
-        adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-        for lora in adapters:
-            engine.load_adapter(lora)
-        logger.info("%d adapters ready in %.1f s", max_k, time.perf_counter() - t0)
+        adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, str(paths[i])) if i in paths else None
+                    for i in range(max_k)]
+        if args.cold_adapters:  # warm up on other adapters; the timed ones stay on disk
+            n = min(max_loras, max_k)
+            warm_paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
+                                          projections=shapes, indices=list(range(10**6, 10**6 + n)),
+                                          rank=args.lora_rank, targets=tuple(args.lora_targets))
+            warm = [LoRARequest(f"warm-{i}", 10**6 + i, str(p)) for i, p in warm_paths.items()]
+        else:
+            warm = adapters
+            for lora in adapters:
+                engine.load_adapter(lora)
+        logger.info("%d adapters ready in %.1f s", len(paths), time.perf_counter() - t0)
 
-    _warm_up(llm, adapters, args)
+    _warm_up(llm, warm, args)
     results = []
-    for k in args.num_adapters:
-        reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
-                             args.adapter_dist, args.seed)
+    for (k, dist), reqs in workloads.items():
         steps_before = engine.num_steps
         records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
-        extra = {"engine_steps": engine.num_steps - steps_before}
-        results.append(summarize(_label(args, k), records, extra))
+        extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats()}
+        results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
 

@@ -68,18 +68,19 @@ def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
 
 
 def prepare_adapters(
-    cache_dir: Path, model_name: str, projections: dict[str, tuple[int, int]], count: int,
+    cache_dir: Path, model_name: str, projections: dict[str, tuple[int, int]], indices: list[int],
     rank: int, targets: tuple[str, ...] = LINEAR_TARGETS,
-) -> list[Path]:
-    """`count` random bf16 PEFT adapters (A ~ N(0, 1/in), B ~ N(0, 1e-4)), cached on disk."""
+) -> dict[int, Path]:
+    """Random bf16 PEFT adapters number `indices` (A ~ N(0, 1/in), B ~ N(0, 1e-4); adapter
+    i is seeded by i), cached on disk."""
     import torch
 
     root = cache_dir / f"{model_name}-adapters-r{rank}-{'-'.join(sorted(targets))}"
-    paths = []
-    for i in range(count):
+    paths = {}
+    for i in indices:
         path = root / f"adapter-{i}"
         if not (path / "adapter_model.safetensors").is_file():
             write_random_adapter(path, projections, rank, targets=targets, b_std=1e-4, seed=i,
                                  dtype=torch.bfloat16)
-        paths.append(path)
+        paths[i] = path
     return paths

@@ -172,6 +172,8 @@ class AsyncEngine:
                 future.set_exception(e)
 
     def _deliver(self, request_id: str, item) -> None:
+        if isinstance(item, RequestOutput) and item.error is not None:
+            item = item.error  # e.g. its adapter failed to load: the stream raises it
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -7,10 +7,15 @@ strings and produces RequestOutputs.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.registry import Registry
 from loraplex.adapters.slot_table import SlotTable
-from loraplex.adapters.store import AdapterStore
+from loraplex.adapters.sources import DiskCache
 from loraplex.config import EngineConfig
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -44,11 +49,8 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(config, self.eos_token_ids)
-        self.adapters = None
-        if config.lora.enabled:
-            shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
-            self.adapters = AdapterStore(shapes, config.lora.max_lora_rank, config.lora.host_capacity)
-            self.runner.adapters = self.adapters
+        self.adapters = self._adapter_manager(config) if config.lora.enabled else None
+        self.runner.adapters = self.adapters
         self.scheduler = Scheduler(
             config.scheduler,
             BlockManager(self.runner.num_blocks, config.cache.block_size),
@@ -56,6 +58,19 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
+
+    def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
+        lora = config.lora
+        shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
+        cache_dir = lora.disk_cache_dir or os.path.join(
+            os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"), "adapters")
+        return AdapterManager(
+            shapes, lora.max_lora_rank, self.runner.dtype,
+            HostCache(lora.host_capacity, lora.max_cpu_lora_bytes),
+            registry=Registry(lora.registry) if lora.registry else None,
+            disk_cache=DiskCache(cache_dir, lora.disk_cache_bytes),
+            workers=lora.load_workers, timeout=lora.load_timeout,
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -67,16 +82,18 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         prompt: str | None = None,
     ) -> Request:
-        """Queue a request. Raises InvalidRequest / AdapterError without side effects."""
+        """Queue a request. Raises InvalidRequest, or AdapterError for an adapter known to
+        be missing, without side effects. An adapter not in memory loads in the
+        background; if that fails, the request ends with finish_reason "error"."""
         sampling = sampling or SamplingParams()
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._check_prompt(prompt_token_ids, sampling)
-        load_time = None
+        ticket = None
         if lora_request is not None:
             if self.adapters is None:
                 raise LoRADisabled(lora_request.lora_name, "engine started with max_loras=0")
-            load_time = self.adapters.acquire(lora_request)
+            ticket = self.adapters.submit(lora_request)
         if self.default_stop:
             sampling = replace(sampling, stop=[*sampling.stop, *(s for s in self.default_stop
                                                                if s not in sampling.stop)])
@@ -87,10 +104,11 @@ class LLMEngine:
             lora_request=lora_request,
             prompt=prompt,
             eos_token_ids=self.eos_token_ids,
+            adapter=ticket,
         )
-        if lora_request is not None:
-            req.metrics.adapter_source = "disk" if load_time is not None else "host"
-            req.metrics.adapter_load_time = load_time
+        if ticket is not None:
+            ticket.owner = req
+            self._note_adapter(req)
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sampling.skip_special_tokens)
         self._live[request_id] = _Live(req, detok)
         self.scheduler.add(req)
@@ -110,18 +128,42 @@ class LLMEngine:
             if n is not None and n > self.max_logprobs:
                 raise InvalidRequest(f"{name}={n} exceeds max_logprobs={self.max_logprobs}")
 
-    def load_adapter(self, lora_request: LoRARequest) -> None:
-        """Load and validate an adapter ahead of its requests (vLLM's --lora-modules)."""
+    @staticmethod
+    def _note_adapter(req: Request) -> None:
+        t = req.adapter
+        if t.ready:
+            m = req.metrics
+            m.adapter_source, m.adapter_load_time, m.adapter_content_id = t.tier, t.load_time, t.content_id
+
+    def _check_lora(self, lora_request: LoRARequest) -> AdapterManager:
         if self.adapters is None:
             raise LoRADisabled(lora_request.lora_name, "engine started with max_loras=0")
-        self.adapters.acquire(lora_request)
-        self.adapters.release(lora_request.key)
+        return self.adapters
+
+    def load_adapter(self, lora_request: LoRARequest, pin: bool = False) -> str:
+        """Load and validate an adapter ahead of its requests (vLLM's --lora-modules),
+        blocking; with pin, keep it in host memory and a GPU slot for good. Returns its
+        content id."""
+        manager = self._check_lora(lora_request)
+        if not pin:
+            ticket = manager.load(lora_request)
+            manager.release(ticket)
+            return ticket.content_id
+        cid = manager.pin(lora_request)
+        if self.scheduler.slots.slot_of(cid) is None:
+            self.scheduler.pin_adapter(cid)
+        return cid
+
+    def prefetch_adapter(self, lora_request: LoRARequest):
+        """Start loading an adapter; returns a concurrent Future of its content id."""
+        return self._check_lora(lora_request).prefetch(lora_request)
 
     def unload_adapter(self, lora_request: LoRARequest) -> None:
         """Free an adapter's memory and GPU slot once no running request uses it."""
         if self.adapters is not None:
-            self.adapters.forget(lora_request.key)
-            self.scheduler.slots.forget(lora_request.key)
+            cid = self.adapters.forget(lora_request)
+            if cid is not None:
+                self.scheduler.slots.forget(cid)
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for monitoring (read from any thread)."""
@@ -134,8 +176,11 @@ class LLMEngine:
             "adapter_slot_evictions": self.scheduler.slots.num_evictions,
         }
         if self.adapters is not None:
-            out["adapter_disk_loads"] = self.adapters.num_loads
-            out["adapter_host_evictions"] = self.adapters.num_evictions
+            out["adapter_disk_loads"] = self.adapters.num_loads["disk"]
+            out["adapter_remote_loads"] = self.adapters.num_loads["remote"]
+            out["adapter_host_evictions"] = self.adapters.host.num_evictions
+            out["adapters_loading"] = self.adapters.num_loading
+            out["adapters_in_host"] = len(self.adapters.host)
         return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -164,15 +209,33 @@ class LLMEngine:
         stop strings, the next plan) overlaps the device's work; outputs then trail the
         device by one step.
         """
+        outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
         launched = self.runner.launch(plan)
         self.num_steps += bool(plan.chunks)
-        outputs = self._finish_step(self._in_flight) if self._in_flight else []
+        if not plan.chunks and self._in_flight is None and self.adapters and self.adapters.num_loading:
+            self.adapters.wait(0.005)  # only loads are pending: do not spin
+        outputs += self._finish_step(self._in_flight) if self._in_flight else []
         self._in_flight = None
         if self.async_scheduling and plan.chunks:
             self._in_flight = launched
         else:
             outputs += self._finish_step(launched)
+        return outputs
+
+    def _poll_adapters(self) -> list[RequestOutput]:
+        """Requests whose adapter finished loading become schedulable; those whose
+        adapter failed end here, with the adapter's error."""
+        outputs = []
+        for ticket in self.adapters.take_resolved() if self.adapters else []:
+            req = ticket.owner
+            if req is None or req.finished:
+                continue
+            if ticket.ready:
+                self._note_adapter(req)
+            else:
+                self.scheduler.finish(req, "error")
+                outputs.append(self._output(req, error=ticket.error))
         return outputs
 
     def _finish_step(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -210,11 +273,11 @@ class LLMEngine:
                 if lp.decoded_token is None:
                     pos[tid] = Logprob(lp.logprob, lp.rank, self.tokenizer.decode([tid]))
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, error: Exception | None = None) -> RequestOutput:
         if req.finished:
             self._live.pop(req.request_id, None)
-            if req.adapter_key is not None:
-                self.adapters.release(req.adapter_key)
+            if req.adapter is not None:
+                self.adapters.release(req.adapter)
         sp = req.sampling
         return RequestOutput(
             request_id=req.request_id,
@@ -235,6 +298,7 @@ class LLMEngine:
             finished=req.finished,
             lora_request=req.lora_request,
             metrics=req.metrics,
+            error=error,
         )
 
 

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from loraplex.adapters.manager import AdapterTicket
 from loraplex.types import (
     PENDING_TOKEN,
     LoRARequest,
@@ -38,6 +39,7 @@ class Request:
     num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # while running with an adapter: its GPU slot
+    adapter: AdapterTicket | None = None  # the adapter's load state and content id
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -50,7 +52,12 @@ class Request:
 
     @property
     def adapter_key(self) -> str | None:
-        return self.lora_request.key if self.lora_request else None
+        """The adapter's content id (GPU slots and host memory are keyed by it)."""
+        return self.adapter.content_id if self.adapter else None
+
+    @property
+    def adapter_ready(self) -> bool:
+        return self.adapter is None or self.adapter.ready
 
     @property
     def num_prompt_tokens(self) -> int:

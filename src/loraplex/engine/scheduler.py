@@ -2,7 +2,8 @@
 
 Each step spends `max_num_batched_tokens` over requests, oldest first: running requests
 take their next token (decode) or their next prefill chunk, then waiting requests are
-admitted first come, first served while pages, sequence slots and adapter slots last.
+admitted first come, first served while pages and sequence slots last, passing over
+those whose adapter is still loading or cannot get a GPU slot yet (see _admit).
 There are no phases: a request only has `num_computed_tokens` of `num_tokens`, and
 chunked prefill falls out of the budget. When pages run out, the newest running request
 is preempted: its pages are freed and it is recomputed from scratch later (its output
@@ -41,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._pinned_loads: dict[int, str] = {}  # slot -> adapter to copy in next step
 
     # -- queue -------------------------------------------------------------------------
 
@@ -48,6 +50,13 @@ class Scheduler:
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    def pin_adapter(self, key: str) -> int:
+        """Give adapter `key` a GPU slot for good (copied in by the next step)."""
+        slot, must_load = self.slots.acquire(key)  # the reference is never released
+        if must_load:
+            self._pinned_loads[slot] = key
+        return slot
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,8 +81,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step. Every plan must later reach update() with its result."""
         budget = self.config.max_num_batched_tokens
-        plan = StepPlan(chunks=[], finished_request_ids=self._finished_ids)
-        self._finished_ids = []
+        plan = StepPlan(chunks=[], finished_request_ids=self._finished_ids,
+                        lora_loads=self._pinned_loads)
+        self._finished_ids, self._pinned_loads = [], {}
         now = time.monotonic()
 
         preempted = False
@@ -102,20 +112,32 @@ class Scheduler:
                 budget -= n
 
         # Admitting while preempting would only thrash pages.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[0]
+        if not preempted:
+            budget = self._admit(plan, budget, now)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int, now: float) -> int:
+        """Admit waiting requests, oldest first, while pages, sequences and budget last.
+
+        A request whose adapter is still loading is passed over; so is one whose adapter
+        needs a GPU slot while none is free, in favour of requests that can run now. Once
+        one has waited max_adapter_wait for a slot, only base-model requests are admitted
+        after it, so slots drain and the next one freed goes to it.
+        """
+        starving = False
+        for req in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if req.num_pending or not req.adapter_ready:
+                continue  # its in-flight token or its adapter is not here yet
             key = req.adapter_key
-            if req.num_pending or (key is not None and not self.slots.can_acquire(key)):
-                break  # a preempted request waits for its in-flight token first
+            if key is not None and (starving or not self.slots.can_acquire(key)):
+                starving = starving or now - req.metrics.arrival_time > self.config.max_adapter_wait
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.can_grow(req.block_ids, n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             if key is not None:
                 req.lora_slot, must_load = self.slots.acquire(key)
                 if must_load:
@@ -129,7 +151,7 @@ class Scheduler:
             self.running.append(req)
             plan.chunks.append(self._chunk(req, n))
             budget -= n
-        return plan
+        return budget
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens

@@ -50,6 +50,11 @@ class LLM:
         max_loras: int = 8,
         max_lora_rank: int = 64,
         max_cpu_loras: int | None = None,
+        max_cpu_lora_bytes: int | None = None,
+        lora_registry: str | None = None,
+        lora_cache_dir: str | None = None,
+        lora_load_workers: int = 4,
+        lora_load_timeout: float = 120.0,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
@@ -89,6 +94,11 @@ class LLM:
                 max_loras=max_loras if enable_lora else 0,
                 max_lora_rank=max_lora_rank,
                 max_cpu_loras=max_cpu_loras,
+                max_cpu_lora_bytes=max_cpu_lora_bytes,
+                registry=lora_registry,
+                disk_cache_dir=lora_cache_dir,
+                load_workers=lora_load_workers,
+                load_timeout=lora_load_timeout,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -116,8 +126,9 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         sampling_params and lora_request are one for all prompts or a list parallel to
-        them; a None lora_request means the base model. Invalid prompts or adapters
-        raise before any prompt is queued.
+        them; a None lora_request means the base model. Invalid prompts, and adapters
+        known to be missing, raise before any prompt is queued; an adapter that fails to
+        load later raises its error once the others are aborted.
         """
         prompts = _as_prompt_list(prompts)
         n = len(prompts)
@@ -140,6 +151,13 @@ class LLM:
         bar = tqdm(total=n, desc="Generating", unit="req", disable=not use_tqdm, leave=False)
         while len(finished) < n:
             for out in self.engine.step():
+                if out.error is not None:
+                    for request_id in queued:
+                        self.engine.abort_request(request_id)
+                    while self.engine.has_unfinished_requests():
+                        self.engine.step()  # the step in flight
+                    bar.close()
+                    raise out.error
                 if out.finished:
                     finished[out.request_id] = out
                     bar.update(1)

@@ -34,6 +34,10 @@ class LoRALinear(nn.Module):
         # Attached by LoRASlotBuffers: A [S, max_loras, R, in], B [max_loras, out, R].
         self.lora_a: torch.Tensor | None = None
         self.lora_b: torch.Tensor | None = None
+        # DoRA, once a DoRA adapter is loaded: [max_loras + 1, out] float32 row scales
+        # m / ||W + s B A|| per slot (1 where a slot's adapter is not DoRA); the last row,
+        # all ones, is for base-model tokens.
+        self.lora_scale: torch.Tensor | None = None
 
     def slice_rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -56,4 +60,15 @@ class LoRALinear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
             main.wait_stream(ctx.aux_stream)
         ops.lora_expand(buf, self.lora_b, y, self.output_sizes, ctx.lora)
+        if ctx.lora.dora and self.lora_scale is not None:
+            y = self._dora_rescale(y, ctx.lora.token_slot)
         return y
+
+    def _dora_rescale(self, y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
+        # DoRA: y = scale * (x W^T + s x A^T B^T) + bias, per token with its slot's scale.
+        rows = torch.where(token_slot < 0, self.lora_scale.shape[0] - 1, token_slot)
+        scale = self.lora_scale[rows[: y.shape[0]]]
+        out = y.float() * scale
+        if self.bias is not None:
+            out += self.bias.float() * (1 - scale)
+        return out.to(y.dtype)

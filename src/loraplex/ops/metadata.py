@@ -51,6 +51,8 @@ class LoRABatch:
     # Some token uses an adapter. Kernels read only the device tensors above, so a CUDA
     # graph captured once serves any mix of adapters and base tokens.
     active: bool = True
+    # Some token's adapter is DoRA: adapted layers rescale their rows (eager steps only).
+    dora: bool = False
     # Per-step values derived by backends (e.g. kernel tilings), computed once per step.
     cache: dict = field(default_factory=dict, repr=False)
 

@@ -65,7 +65,8 @@ class InputBuffers:
         self.group_ranks = _Buffer(max(1, max_loras), i32, device)
         self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
 
-    def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None) -> StepInputs:
+    def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None,
+                dora_slots: frozenset[int] | set[int] = frozenset()) -> StepInputs:
         """Fill the buffers for `plan`. pad_to: a decode step run by a CUDA graph captured
         for `pad_to` sequences; the rest are one-token padding sequences."""
         bs = self.block_size
@@ -121,7 +122,7 @@ class InputBuffers:
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
             attn=attn,
-            lora=self._lora(plan, num_tokens, slot_ranks),
+            lora=self._lora(plan, num_tokens, slot_ranks, dora_slots),
             sample_rows=self.sample_rows.upload(len(sample_chunks)),
             sample_chunks=sample_chunks,
         )
@@ -178,7 +179,8 @@ class InputBuffers:
             sample_chunks=[],
         )
 
-    def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int]) -> LoRABatch | None:
+    def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int],
+              dora_slots: frozenset[int] | set[int]) -> LoRABatch | None:
         if all(c.lora_slot < 0 for c in plan.chunks):
             return None
         order, groups = group_tokens(self.token_slot.np[:num_tokens], slot_ranks, self.max_loras)
@@ -199,4 +201,5 @@ class InputBuffers:
             group_ranks=self.group_ranks.upload(len(self.group_ranks.np)),
             slot_ranks=self.slot_ranks.upload(len(self.slot_ranks.np)),
             groups=groups,
+            dora=any(x.slot in dora_slots for x in groups),
         )

@@ -14,8 +14,8 @@ import time
 import torch
 
 from loraplex import ops
+from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.slots import LoRASlotBuffers
-from loraplex.adapters.store import AdapterStore
 from loraplex.config import EngineConfig
 from loraplex.device import to_device
 from loraplex.layers.attention import PagedAttention
@@ -43,7 +43,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         # Set by the engine once the store exists (the store needs our projection shapes).
-        self.adapters: AdapterStore | None = None
+        self.adapters: AdapterManager | None = None
         self.model = self._load_model()
         self.projections = projection_index(self.model)
         lora = config.lora
@@ -70,6 +70,9 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
+        # Adapter copies into GPU slots, and per slot the last step that read it.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._slot_last_read: dict[int, torch.cuda.Event] = {}
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
@@ -191,16 +194,18 @@ class ModelRunner:
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
-        for slot, key in plan.lora_loads.items():
-            self.lora_slots.load(slot, self.adapters.get(key))
+        if plan.lora_loads:
+            self._load_slots(plan.lora_loads)
         out = LaunchedStep(plan)
         if not plan.chunks:
             return out
         ranks = self.lora_slots.ranks if self.lora_slots else []
+        dora = self.lora_slots.dora_slots if self.lora_slots else set()
         graph_size = None
-        if self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks):
+        if (self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks)
+                and not any(c.lora_slot in dora for c in plan.chunks)):  # DoRA runs eager
             graph_size = self.graphs.padded_size(len(plan.chunks))
-        inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size)
+        inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size, dora_slots=dora)
         self._feed_pending_tokens(plan, inputs.input_ids)
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size, inputs.lora is not None)
@@ -214,7 +219,29 @@ class ModelRunner:
             self._sample(plan, inputs.sample_chunks, logits, out)
         self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         out.start_copies()
+        if self.copy_stream is not None and inputs.lora is not None:
+            done = torch.cuda.Event()
+            done.record()
+            for chunk in plan.chunks:
+                if chunk.lora_slot >= 0:
+                    self._slot_last_read[chunk.lora_slot] = done
         return out
+
+    def _load_slots(self, loads: dict[int, str]) -> None:
+        """Copy adapters from pinned host memory into GPU slots on their own stream, so
+        the copies overlap the step still running; this step's kernels wait for them.
+        A slot is overwritten only after the last step that read it (a request that
+        left that slot may still be in the step in flight)."""
+        if self.copy_stream is None:
+            for slot, key in loads.items():
+                self.lora_slots.load(slot, self.adapters.get(key))
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for slot, key in loads.items():
+                if slot in self._slot_last_read:
+                    self.copy_stream.wait_event(self._slot_last_read.pop(slot))
+                self.lora_slots.load(slot, self.adapters.get(key))
+        torch.cuda.current_stream().wait_stream(self.copy_stream)
 
     def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
         """Write tokens still in flight (PENDING_TOKEN) from the previous step's device

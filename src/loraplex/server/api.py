@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraplex.engine.async_engine import AsyncEngine, EngineFailure, EngineShutdown
-from loraplex.errors import AdapterError, InvalidRequest, LoraplexError
+from loraplex.errors import AdapterError, AdapterUnavailable, InvalidRequest, LoraplexError
 from loraplex.server.auth import Auth, Forbidden, ModelNotFound, ServedModels, Tenant, Unauthorized
 from loraplex.server.metrics import Metrics
 from loraplex.server.protocol import (
@@ -39,6 +39,7 @@ _STATUS = [  # most specific first
     (ModelNotFound, 404, "not_found_error"),
     (EngineShutdown, 503, "service_unavailable"),
     (EngineFailure, 500, "internal_error"),
+    (AdapterUnavailable, 503, "service_unavailable"),
     (InvalidRequest, 400, "invalid_request_error"),
     (AdapterError, 400, "invalid_request_error"),
     (LoraplexError, 400, "invalid_request_error"),
@@ -205,7 +206,9 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
         if body.lora_name in server.served.adapters or body.lora_name in server.served.base_names:
             raise InvalidRequest(f"an adapter named {body.lora_name!r} is already loaded")
         adapter = server.served.new_adapter(body.lora_name, body.lora_path, body.tenant)
-        await server.engine.call(lambda e: e.load_adapter(adapter.lora))
+        # Read and validated on the loader threads: the engine keeps stepping meanwhile.
+        loading = await server.engine.call(lambda e: e.prefetch_adapter(adapter.lora))
+        await asyncio.wrap_future(loading)
         server.served.adapters[body.lora_name] = adapter
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
                         media_type="text/plain")
@@ -243,7 +246,7 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
 
         if body.stream:
             states = [ChoiceState(i, body.stop, k) for i in range(len(streams))]
-            return _event_stream(server, info, streams, states, choice)
+            return await _event_stream(request, server, info, streams, states, choice)
         outs = await _until_done_or_disconnect(request, asyncio.gather(*(_last(s) for s in streams)))
         server.finish(info.endpoint, outs)
         choices = [choice(i, o.outputs[0], o.outputs[0].text, 0, True, True) for i, o in enumerate(outs)]
@@ -271,7 +274,8 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
                     "stop_reason": c.stop_reason if finished else None}
 
         if body.stream:
-            return _event_stream(server, info, streams, [ChoiceState(0, body.stop, k)], choice)
+            return await _event_stream(request, server, info, streams,
+                                       [ChoiceState(0, body.stop, k)], choice)
         out = await _until_done_or_disconnect(request, _last(streams[0]))
         server.finish(info.endpoint, [out])
         return info.body([choice(0, out.outputs[0], out.outputs[0].text, 0, True, True)], [out])
@@ -337,14 +341,31 @@ async def _merged(streams):
             t.cancel()
 
 
-def _event_stream(server: Server, info: _StreamInfo, streams, states, choice) -> StreamingResponse:
-    """Server-sent events: a chunk per new text, then usage + receipt, then [DONE]. An
-    error after the first chunk is reported as an error event before [DONE]."""
+async def _event_stream(request: Request, server: Server, info: _StreamInfo, streams, states,
+                        choice) -> StreamingResponse:
+    """Server-sent events: a chunk per new text, then usage + receipt, then [DONE].
+
+    The first output is awaited before the response starts, so an error before it (an
+    adapter that failed to load) gets its own HTTP status; an error after the first
+    chunk is reported as an error event before [DONE]."""
+    merged = _merged(streams)
+    try:
+        first = await _until_done_or_disconnect(request, anext(merged, None))
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+
+    async def outputs():
+        if first is not None:
+            yield first
+            async for item in merged:
+                yield item
 
     async def events():
         finals = []
         try:
-            async for i, out in _merged(streams):
+            async for i, out in outputs():
                 delta = states[i].advance(out)
                 if delta is not None:
                     c = out.outputs[0]

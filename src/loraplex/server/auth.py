@@ -7,7 +7,8 @@ A keys file maps tenants to their keys and lists admin keys:
 `--api-key K` alone means one admin key. With neither, the server is open: every caller
 is an anonymous admin (local development). An adapter belongs to one tenant or is public
 (owner None); a tenant sees and uses its own and the public ones, and an adapter it may
-not see is reported exactly like one that does not exist.
+not see is reported exactly like one that does not exist. Adapters in a registry
+(--lora-registry) are public and addressed as `name` (latest version) or `name@version`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.errors import LoraplexError
+from loraplex.errors import AdapterError, LoraplexError
 from loraplex.types import LoRARequest
 
 
@@ -86,10 +87,12 @@ class ServedAdapter:
 class ServedModels:
     """The base model's name(s) and the adapters served beside it."""
 
-    def __init__(self, base_names: list[str]):
+    def __init__(self, base_names: list[str], registry=None):
         self.base_names = base_names
+        self.registry = registry  # loraplex.adapters.registry.Registry or None
         self.adapters: dict[str, ServedAdapter] = {}
         self._next_id = 1
+        self._registry_ids: dict[str, int] = {}
 
     def visible(self, tenant: Tenant, adapter: ServedAdapter) -> bool:
         return tenant.admin or adapter.owner is None or adapter.owner == tenant.name
@@ -99,13 +102,28 @@ class ServedModels:
         if name in self.base_names:
             return None
         adapter = self.adapters.get(name)
+        if adapter is None and self.registry is not None:
+            return self._from_registry(name)
         if adapter is None or not self.visible(tenant, adapter):
             raise ModelNotFound(name)
         return adapter.lora
 
+    def _from_registry(self, name: str) -> LoRARequest:
+        base, _, version = name.partition("@")
+        try:
+            self.registry.resolve(base, version or None)
+        except AdapterError:
+            raise ModelNotFound(name) from None
+        if name not in self._registry_ids:
+            self._registry_ids[name] = self._next_id
+            self._next_id += 1
+        return LoRARequest(name, self._registry_ids[name], "")  # the engine resolves it
+
     def listing(self, tenant: Tenant) -> list[tuple[str, ServedAdapter | None]]:
         base = [(name, None) for name in self.base_names]
-        return base + [(n, a) for n, a in self.adapters.items() if self.visible(tenant, a)]
+        registered = [(n, ServedAdapter(LoRARequest(n, 1, f"registry:{n}"), None))
+                      for n in (self.registry.names() if self.registry else []) if n not in self.adapters]
+        return base + [(n, a) for n, a in self.adapters.items() if self.visible(tenant, a)] + registered
 
     def new_adapter(self, name: str, path: str, owner: str | None) -> ServedAdapter:
         lora = LoRARequest(name, self._next_id, path)

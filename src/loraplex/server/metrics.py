@@ -31,7 +31,8 @@ class _EngineCollector:
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into a tier",
                                     labels=["tier"])
         loads.add_metric(["gpu"], s["adapter_slot_loads"])
-        loads.add_metric(["host"], s.get("adapter_disk_loads", 0))
+        loads.add_metric(["host"], s.get("adapter_disk_loads", 0) + s.get("adapter_remote_loads", 0))
+        loads.add_metric(["disk"], s.get("adapter_remote_loads", 0))
         yield loads
         evictions = CounterMetricFamily("loraplex_adapter_evictions",
                                         "Adapters evicted from a tier", labels=["tier"])

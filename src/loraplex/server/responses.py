@@ -101,6 +101,7 @@ def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput]
     return {
         "request_id": request_id,
         "adapter": lora.lora_name if lora else None,
+        "adapter_content_id": next((m.adapter_content_id for m in ms if m.adapter_content_id), None),
         "adapter_source": next((m.adapter_source for m in ms if m.adapter_source), None),
         "adapter_load_ms": None if load is None else round(load * 1e3, 3),
         "queue_ms": slowest(_ms(m.arrival_time, m.first_scheduled_time) for m in ms),

@@ -30,6 +30,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--max-cpu-lora-memory", type=float, default=None, metavar="GIB",
+                   help="byte budget of the host adapter tier, in GiB (besides --max-cpu-loras)")
+    p.add_argument("--lora-registry", default=None, metavar="DIR_OR_URL",
+                   help="registry of named, versioned adapters: requests may name `name[@version]`")
+    p.add_argument("--lora-cache-dir", default=None, help="local disk cache of downloaded adapters")
+    p.add_argument("--lora-load-timeout", type=float, default=120.0,
+                   help="seconds before an adapter that has not loaded fails its requests")
+    p.add_argument("--pinned-loras", nargs="*", default=[], metavar="NAME",
+                   help="--lora-modules names kept in host memory and a GPU slot for good")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -64,15 +73,24 @@ def build_server(args):
     llm = LLM(
         model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        max_cpu_lora_bytes=(None if args.max_cpu_lora_memory is None
+                            else int(args.max_cpu_lora_memory * 2**30)),
+        lora_registry=args.lora_registry, lora_cache_dir=args.lora_cache_dir,
+        lora_load_timeout=args.lora_load_timeout,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
     )
     names = args.served_model_name or [model if args.model else NAME]
-    served = ServedModels(names)
-    for spec in args.lora_modules:
+    served = ServedModels(names, llm.engine.adapters.registry if llm.engine.adapters else None)
+    if args.pinned_loras and len(args.pinned_loras) >= args.max_loras:
+        raise SystemExit("--pinned-loras must leave at least one of --max-loras slots free")
+    unknown = set(args.pinned_loras) - {parse_lora_module(s)[0] for s in args.lora_modules}
+    if unknown:
+        raise SystemExit(f"--pinned-loras names no --lora-modules adapter: {sorted(unknown)}")
+    for spec in args.lora_modules:  # pre-warmed into host memory; broken ones stop the server
         name, path, tenant = parse_lora_module(spec)
         adapter = served.new_adapter(name, path, tenant)
-        llm.engine.load_adapter(adapter.lora)  # a broken startup adapter stops the server
+        llm.engine.load_adapter(adapter.lora, pin=name in args.pinned_loras)
         served.adapters[name] = adapter
     engine = AsyncEngine(llm.engine)
     server = Server(engine, llm.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),

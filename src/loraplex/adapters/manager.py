@@ -1,0 +1,258 @@
+"""Adapters from their sources into host memory, without stalling the engine loop.
+
+    remote source --download--> local disk cache --read+validate--> pinned host memory
+                                                    (worker pool)   (HostCache, LRU)
+    host memory --copy stream--> GPU slot (runner; the scheduler assigns slots)
+
+submit() hands the engine a ticket per request at once. If the adapter's content is
+already in host memory the ticket is ready; otherwise a load runs on a worker thread
+(one per distinct source, however many requests wait for it) and the request waits in
+the queue while everything else keeps running. poll(), on the engine thread, moves
+finished loads into host memory; take_resolved() reports the tickets that became ready
+or failed.
+Only the engine thread touches the HostCache; workers only read, parse and validate.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplex.adapters.host_cache import HostCache
+from loraplex.adapters.manifest import content_id
+from loraplex.adapters.peft import LoRAAdapter, read_adapter_dir, to_canonical
+from loraplex.adapters.registry import Registry
+from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolve
+from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
+from loraplex.types import LoRARequest
+
+
+@dataclass(eq=False)
+class AdapterTicket:
+    """One request's claim on an adapter, from submit() until release()."""
+
+    lora: LoRARequest
+    source: AdapterSource
+    state: str = "loading"  # -> "ready" | "failed"
+    content_id: str | None = None
+    tier: str | None = None  # where the content was: "host", "disk" or "remote"
+    load_time: float | None = None  # seconds to read it into host memory
+    error: AdapterError | None = None
+    owner: object = None  # the engine's request
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass(eq=False)
+class _Load:
+    source: AdapterSource
+    future: Future
+    started: float
+    tickets: list[AdapterTicket] = field(default_factory=list)
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        projections: Mapping[str, tuple[int, int]],
+        max_rank: int,
+        dtype: torch.dtype,
+        host: HostCache,
+        registry: Registry | None = None,
+        disk_cache: DiskCache | None = None,
+        workers: int = 4,
+        timeout: float = 120.0,
+    ):
+        self.projections, self.max_rank, self.dtype = projections, max_rank, dtype
+        self.host = host
+        self.registry = registry
+        self.disk_cache = disk_cache
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-adapter")
+        self._loads: dict[str, _Load] = {}  # source key -> the load in progress
+        self._content_of: dict[str, str] = {}  # source key -> content id, once read
+        self._resolved: list[AdapterTicket] = []  # since the last take_resolved()
+        self._finished = threading.Event()  # a worker finished a load
+        self.num_loads: Counter[str] = Counter()  # loads by tier read from: disk / remote
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def submit(self, lora: LoRARequest, owner: object = None) -> AdapterTicket:
+        """A ticket for `lora` (raises AdapterNotFound at once for what is known missing)."""
+        self.poll()  # so content that just arrived counts as in memory
+        source = resolve(lora, self.registry)
+        ticket = AdapterTicket(lora, source, owner=owner)
+        cid = source.content_id or self._content_of.get(source.key)
+        if cid is not None and cid in self.host:
+            self.host.ref(cid)
+            ticket.state, ticket.content_id, ticket.tier = "ready", cid, "host"
+            return ticket
+        self._start(source, cid).tickets.append(ticket)
+        return ticket
+
+    def poll(self) -> None:
+        """Finish loads that completed or timed out; their tickets become ready or
+        failed and wait in take_resolved()."""
+        resolved = self._resolved
+        now = time.monotonic()
+        for key, load in list(self._loads.items()):
+            if load.future.done():
+                del self._loads[key]
+                try:
+                    adapter, tier, seconds = load.future.result()
+                except AdapterError as e:
+                    self._fail(load, e)
+                except Exception as e:  # a bug or an unexpected format: still this adapter's alone
+                    self._fail(load, AdapterInvalid(load.source.name, f"cannot load: {type(e).__name__} {e}"))
+                else:
+                    self._content_of[load.source.key] = adapter.key
+                    self.num_loads[tier] += 1
+                    self.host.put(adapter, refs=len(load.tickets))
+                    for t in load.tickets:
+                        t.state, t.content_id, t.tier, t.load_time = "ready", adapter.key, tier, seconds
+                resolved += load.tickets
+            elif now - load.started > self.timeout:
+                del self._loads[key]  # the worker's eventual result is dropped
+                self._fail(load, AdapterUnavailable(load.source.name,
+                                                    f"not loaded within {self.timeout:g} s"))
+                resolved += load.tickets
+
+    def take_resolved(self) -> list[AdapterTicket]:
+        """Tickets resolved since the last call (the engine acts on them)."""
+        self.poll()
+        out, self._resolved = self._resolved, []
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a worker finishes a load (or `timeout` seconds)."""
+        if self._loads:
+            self._finished.wait(timeout)
+        self._finished.clear()
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def release(self, ticket: AdapterTicket) -> None:
+        """The ticket's request ended: drop its reference, or stop waiting for the load."""
+        if ticket.state == "ready":
+            self.host.unref(ticket.content_id)
+            ticket.state = "released"
+        elif ticket.state == "loading":
+            load = self._loads.get(ticket.source.key)
+            if load is not None and ticket in load.tickets:
+                load.tickets.remove(ticket)
+            ticket.state = "released"
+
+    def get(self, content_id: str) -> LoRAAdapter:
+        return self.host.get(content_id)
+
+    def load(self, lora: LoRARequest) -> AdapterTicket:
+        """Load `lora` into host memory now (blocking) and return its ready ticket, with a
+        reference the caller must release(). Raises the adapter's typed error."""
+        ticket = self.submit(lora)
+        deadline = time.monotonic() + self.timeout + 1
+        while ticket.state == "loading" and time.monotonic() < deadline:
+            self.wait(0.05)
+            self.poll()
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket
+
+    def prefetch(self, lora: LoRARequest) -> Future:
+        """Start loading `lora` without waiting; the future gives its content id (or the
+        adapter's error) once read. Any thread may wait on it; poll() files it."""
+        source = resolve(lora, self.registry)
+        cid = source.content_id or self._content_of.get(source.key)
+        out: Future = Future()
+        if cid is not None and cid in self.host:
+            out.set_result(cid)
+            return out
+        load = self._start(source, cid)
+
+        def done(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(f.result()[0].key)
+
+        load.future.add_done_callback(done)
+        return out
+
+    def pin(self, lora: LoRARequest) -> str:
+        """Keep `lora` in host memory for good (pre-warmed, never evicted)."""
+        ticket = self.load(lora)
+        self.host.pinned.add(ticket.content_id)
+        self.release(ticket)
+        return ticket.content_id
+
+    def forget(self, lora: LoRARequest) -> str | None:
+        """Drop what is known of `lora` (unload); returns its content id if it was read."""
+        try:
+            source = resolve(lora, self.registry)
+        except AdapterError:
+            return None
+        cid = source.content_id or self._content_of.pop(source.key, None)
+        if cid is not None:
+            self.host.pinned.discard(cid)
+            self.host.forget(cid)
+        return cid
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- loads -----------------------------------------------------------------------------
+
+    def _start(self, source: AdapterSource, cid: str | None) -> _Load:
+        load = self._loads.get(source.key)
+        if load is None:
+            future = self._pool.submit(self._read, source, cid)
+            future.add_done_callback(lambda _: self._finished.set())
+            load = self._loads[source.key] = _Load(source, future, time.monotonic())
+        return load
+
+    def _fail(self, load: _Load, error: AdapterError) -> None:
+        for t in load.tickets:
+            t.state, t.error = "failed", error
+
+    def _read(self, source: AdapterSource, cid: str | None) -> tuple[LoRAAdapter, str, float]:
+        """Worker thread: fetch, parse, validate, pin. Touches no shared state."""
+        t0 = time.perf_counter()
+        local, tier, staged = source.uri, "disk", None
+        if source.remote:
+            cached = self.disk_cache.lookup(cid) if (self.disk_cache and cid) else None
+            if cached is not None:
+                local = str(cached)
+            else:
+                staged = self.disk_cache.staging() if self.disk_cache else Path(tempfile.mkdtemp())
+                local, tier = str(staged), "remote"
+        try:
+            if staged is not None:
+                download(source, staged, self.timeout)
+            config, tensors = read_adapter_dir(source.name, local)
+            cid = content_id(config, tensors)
+            if source.content_id is not None and cid != source.content_id:
+                raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")
+            adapter = to_canonical(cid, source.name, source.uri, config, tensors,
+                                   self.projections, self.max_rank, self.dtype)
+        except BaseException:
+            if staged is not None:
+                shutil.rmtree(staged, ignore_errors=True)
+            raise
+        if staged is not None:
+            if self.disk_cache is not None:
+                self.disk_cache.commit(staged, cid)
+            else:
+                shutil.rmtree(staged, ignore_errors=True)
+        return adapter, tier, time.perf_counter() - t0

@@ -1,0 +1,237 @@
+"""The tiered adapter store: many adapters through few slots, content ids, the registry
+and hot swap, remote sources and their faults, DoRA and mixed adapters in one batch."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import shutil
+import socket
+import threading
+
+import pytest
+import torch
+from conftest import ADAPTERS, HFOracle, make_llm, random_prompts, tolerance
+
+from loraplex import AdapterNotFound, LoRARequest, SamplingParams
+from loraplex.adapters.registry import Registry
+from loraplex.bench.synthetic import LINEAR_TARGETS, write_random_adapter
+from loraplex.errors import AdapterUnavailable
+
+SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+TARGET_SETS = [LINEAR_TARGETS, ("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj"), ("o_proj",)]
+
+
+def _projections(llm):
+    return {k: (p.in_features, p.out_features) for k, p in llm.engine.runner.projections.items()}
+
+
+def _adapter(llm, path, i, **kw):
+    kw = {"rank": 1 + i % 8, "targets": TARGET_SETS[i % 4], "use_rslora": i % 3 == 0,
+          "b_std": 0.3, "seed": i, **kw}
+    return write_random_adapter(path, _projections(llm), **kw)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _run_engine(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs, tmp_path_factory):
+    return make_llm(model_dirs["qwen3"], max_loras=4, max_lora_rank=8, max_cpu_loras=8,
+                    lora_cache_dir=str(tmp_path_factory.mktemp("lora-cache")), lora_load_timeout=3)
+
+
+def test_hundreds_of_adapters_through_four_slots(llm, tmp_path):
+    """200 adapters of mixed rank, targets and scaling through 4 GPU slots and 8 host
+    entries: every output equals that adapter served alone, under constant eviction."""
+    loras = [LoRARequest(f"a{i}", i + 1, str(_adapter(llm, tmp_path / f"a{i}", i))) for i in range(200)]
+    per_prompt = loras + [None] * 10 + loras[:30]
+    prompts = random_prompts(len(per_prompt), (4, 12), seed=1)
+    before = llm.engine.stats()
+    together = llm.generate(prompts, SP, per_prompt)
+    stats = llm.engine.stats()
+    assert stats["adapter_host_evictions"] - before["adapter_host_evictions"] > 150
+    assert stats["adapter_slot_evictions"] - before["adapter_slot_evictions"] > 150
+    assert stats["adapters_in_host"] <= 8 and stats["adapters_loading"] == 0
+    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    assert _tokens(together) == _tokens(alone)
+    assert len({tuple(t) for t in _tokens(together)}) > 150, "adapters must change outputs"
+    for out, lora in zip(together, per_prompt):
+        m = out.metrics
+        if lora is None:
+            assert m.adapter_content_id is None and m.adapter_source is None
+        else:
+            assert m.adapter_content_id.startswith("sha256:") and m.adapter_source in ("gpu", "host", "disk")
+            assert m.adapter_source != "disk" or m.adapter_load_time > 0
+
+
+def test_identical_content_shares_one_copy(llm, tmp_path):
+    src = _adapter(llm, tmp_path / "src", 3)
+    copy = shutil.copytree(src, tmp_path / "copy")
+    cfg = json.loads((copy / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = "elsewhere"  # does not change the math
+    (copy / "adapter_config.json").write_text(json.dumps(cfg, indent=4))
+    changed = _adapter(llm, tmp_path / "changed", 3, b_std=0.31)
+    prompt = random_prompts(1, (6, 7), seed=2)[0]
+    a, b, c = (LoRARequest(n, 900 + i, str(p)) for i, (n, p) in
+               enumerate([("src", src), ("copy", copy), ("changed", changed)]))
+    outs = llm.generate([prompt] * 3, SP, [a, b, c])
+    ids = [o.metrics.adapter_content_id for o in outs]
+    assert ids[0] == ids[1] != ids[2]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    engine = llm.engine
+    slots = [engine.scheduler.slots.slot_of(cid) for cid in ids]
+    assert slots[0] == slots[1] is not None, "one GPU slot for identical content"
+
+
+def test_registry_versions_and_hot_swap(model_dirs, tmp_path):
+    registry = Registry(str(tmp_path / "registry"))
+    llm = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8,
+                   lora_registry=str(tmp_path / "registry"))
+    v1 = _adapter(llm, tmp_path / "v1", 0)
+    v2 = _adapter(llm, tmp_path / "v2", 1)
+    assert registry.publish("support", v1)[0] == "1"
+    with pytest.raises(AdapterNotFound):
+        llm.generate([[5, 6, 7]], SP, LoRARequest("support@9", 1))
+    long_sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = random_prompts(1, (8, 9), seed=3)[0]
+    expect_v1 = llm.generate([prompt], long_sp, LoRARequest("support@1", 1))[0]
+    engine = llm.engine
+    engine.add_request("old", prompt, long_sp, LoRARequest("support", 1))
+    while not engine.scheduler.requests["old"].output_token_ids:
+        engine.step()
+    version, cid2 = registry.publish("support", v2)  # while "old" is running
+    assert version == "2" and registry.publish("support", v2)[1] == cid2
+    engine.add_request("new", prompt, long_sp, LoRARequest("support", 1))
+    done = _run_engine(engine)
+    expect_v2 = llm.generate([prompt], long_sp, LoRARequest("support@2", 1))[0]
+    assert done["old"].outputs[0].token_ids == expect_v1.outputs[0].token_ids
+    assert done["new"].outputs[0].token_ids == expect_v2.outputs[0].token_ids
+    assert done["old"].outputs[0].token_ids != done["new"].outputs[0].token_ids
+    assert done["old"].metrics.adapter_content_id == expect_v1.metrics.adapter_content_id
+    assert done["new"].metrics.adapter_content_id == cid2
+    assert registry.names() == ["support"]
+    assert len(list((tmp_path / "registry" / "blobs").iterdir())) == 2, "v2 published twice, stored once"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path):
+    """A static HTTP server over a directory; yields (root dir, base URL)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture
+def hanging_url():
+    """A server that accepts connections and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/adapter"
+    sock.close()
+
+
+def test_remote_sources_tiers_and_faults(model_dirs, tmp_path, http_root, hanging_url):
+    root, url = http_root
+    llm = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8, max_cpu_loras=1,
+                   lora_cache_dir=str(tmp_path / "cache"), lora_load_timeout=2)
+    _adapter(llm, root / "good", 5)
+    _adapter(llm, root / "other", 6)
+    (root / "pickled").mkdir()
+    shutil.copy(root / "good" / "adapter_config.json", root / "pickled")
+    (root / "pickled" / "adapter_model.bin").write_bytes(b"not loaded")
+    prompts = random_prompts(6, (5, 10), seed=4)
+    local = LoRARequest("good-local", 1, str(root / "good"))
+    remote = LoRARequest("good", 2, f"{url}/good")
+    expected = _tokens(llm.generate(prompts[:2], SP, local))
+
+    engine = llm.engine
+    bad = {"missing": f"{url}/nope", "unreachable": "http://127.0.0.1:1/adapter",
+           "hanging": hanging_url, "pickled": f"{url}/pickled"}
+    engine.add_request("r0", prompts[0], SP, remote)
+    for i, (name, path) in enumerate(bad.items()):
+        engine.add_request(name, prompts[2 + i % 4], SP, LoRARequest(name, 10 + i, path))
+    engine.add_request("base", prompts[1], SP, None)
+    engine.add_request("r1", prompts[1], SP, remote)
+    done = _run_engine(engine)
+    assert done["r0"].outputs[0].token_ids == expected[0]
+    assert done["r1"].outputs[0].token_ids == expected[1]
+    assert done["r0"].metrics.adapter_source == "remote" and done["r0"].metrics.adapter_load_time > 0
+    assert done["base"].outputs[0].finish_reason == "length"
+    for name, error in [("missing", AdapterNotFound), ("unreachable", AdapterUnavailable),
+                        ("hanging", AdapterUnavailable), ("pickled", Exception)]:
+        out = done[name]
+        assert out.outputs[0].finish_reason == "error" and isinstance(out.error, error), (name, out.error)
+        assert out.error.adapter == name
+    assert "pickled" in str(done["pickled"].error) and "not loaded within" in str(done["hanging"].error)
+
+    # Evicted from host memory (capacity 1), the remote adapter comes back from disk.
+    llm.generate(prompts[:1], SP, LoRARequest("other", 3, f"{url}/other"))
+    again = llm.generate(prompts[:1], SP, remote)[0]
+    assert again.metrics.adapter_source == "disk" and again.outputs[0].token_ids == expected[0]
+    assert engine.stats()["adapter_remote_loads"] == 2
+
+
+def _dora_adapter(model_dir, out_dir, seed=0):
+    """A PEFT DoRA adapter with random A, B and magnitudes that differ from ||W + sBA||."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, use_dora=True, init_lora_weights=False,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)
+            if "magnitude" in name:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # qwen2: biased q/v, which DoRA rescales
+def test_dora_and_mixed_adapters_in_one_batch(arch, model_dirs, adapter_dirs, tmp_path):
+    model = model_dirs[arch]
+    dora_dir = _dora_adapter(model, tmp_path / "dora")
+    llm = make_llm(model, max_loras=4, max_lora_rank=16)
+    loras = [LoRARequest("dora", 1, str(dora_dir))] + [
+        LoRARequest(name, 2 + i, str(adapter_dirs[arch][name])) for i, name in enumerate(ADAPTERS)] + [None]
+    prompts = random_prompts(2 * len(loras), (5, 20), seed=5)
+    per_prompt = loras * 2
+    n = 5
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    together = llm.generate(prompts, sp, per_prompt)
+    alone = [llm.generate([p], sp, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    assert _tokens(together) == _tokens(alone)
+    oracle = HFOracle(model, dora_dir)
+    for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):
+        assert out.outputs[0].token_ids == oracle.greedy(p, n)
+    # Logprobs too, not only argmaxes.
+    lp_sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got = llm.generate([prompts[0]], lp_sp, loras[0])[0].prompt_logprobs[1:]
+    ref = oracle.prompt_logprobs(prompts[0])
+    got = torch.tensor([next(iter(d.values())).logprob for d in got])
+    torch.testing.assert_close(got, ref, atol=tolerance(), rtol=0)
