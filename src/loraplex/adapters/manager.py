@@ -240,7 +240,7 @@ class AdapterManager:
         try:
             if staged is not None:
                 download(source, staged, self.timeout)
-            config, tensors = read_adapter_dir(source.name, local)
+            config, tensors = read_adapter_dir(source.name, local, pinned=torch.cuda.is_available())
             cid = content_id(config, tensors)
             if source.content_id is not None and cid != source.content_id:
                 raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")

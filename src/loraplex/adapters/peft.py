@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from loraplex.adapters.safetensors_io import read_safetensors
 from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
@@ -46,36 +45,6 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(
             m.nbytes for m in self.magnitudes.values())
 
-    def pack(self, weights: dict, magnitudes: dict, dtype: torch.dtype, pinned: bool) -> None:
-        """Write A, B * scaling (module -> (A, B, scaling)) and the magnitudes into one
-        buffer (page-locked when `pinned`, so GPU copies run asynchronously): one
-        allocation per adapter instead of hundreds, every byte written once, and one
-        pass to check it. Weights first (all `dtype`), then the float32 magnitudes."""
-        size = dtype.itemsize * sum(a.numel() + b.numel() for a, b, _ in weights.values())
-        size += 4 * sum(m.numel() for m in magnitudes.values())
-        self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        offset = 0
-
-        def view(shape, dt) -> torch.Tensor:
-            nonlocal offset
-            n = math.prod(shape) * dt.itemsize
-            out = self._buffer[offset : offset + n].view(dt).view(shape)
-            offset += n
-            return out
-
-        for module, (a, b, scaling) in weights.items():
-            a_out = view(a.shape, dtype).copy_(a)
-            b_out = view(b.shape, dtype)
-            torch.mul(b, scaling, out=b_out)  # one rounding, into its place
-            self.weights[module] = (a_out, b_out)
-        self._weight_bytes = offset
-        for module, m in magnitudes.items():
-            self.magnitudes[module] = view(m.shape, torch.float32).copy_(m)
-
-    def all_finite(self) -> bool:
-        dtype = next(iter(self.weights.values()))[0].dtype
-        weights = self._buffer[: self._weight_bytes].view(dtype)
-        return _finite(weights) and all(_finite(m) for m in self.magnitudes.values())
 
 
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
@@ -86,8 +55,10 @@ def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -
     return default
 
 
-def read_adapter_dir(name: str, path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The config and tensors of a local PEFT directory, with file-level checks."""
+def read_adapter_dir(name: str, path: str | Path,
+                     pinned: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and tensors of a local PEFT directory, with file-level checks; the
+    tensors are views into one buffer holding the weights file (page-locked if `pinned`)."""
     path = Path(path)
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_file.is_file():
@@ -104,8 +75,8 @@ def read_adapter_dir(name: str, path: str | Path) -> tuple[dict, dict[str, torch
         raise AdapterInvalid(name, f"{CONFIG_FILE} is not a JSON object")
     _check_config(name, config)
     try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError, ValueError) as e:
+        tensors = read_safetensors(str(weights_file), pinned)
+    except (OSError, ValueError) as e:
         raise AdapterInvalid(name, f"unreadable {WEIGHTS_FILE}: {e}") from None
     return config, tensors
 
@@ -184,19 +155,63 @@ def to_canonical(
                 raise AdapterInvalid(name, f"{module}: bad magnitude vector {tuple(ab['m'].shape)}")
             magnitudes[module] = mag.contiguous()
     rank = max(a.shape[0] for a, _, _ in weights.values())
-    adapter = LoRAAdapter(key=key, name=name, path=path, rank=rank, weights={}, magnitudes={})
-    adapter.pack(weights, magnitudes, dtype, pinned=torch.cuda.is_available())
-    if not adapter.all_finite():
-        bad = next(m for m, ab in adapter.weights.items() if not all(_finite(t) for t in ab))
+    if not _all_finite([t for a, b, _ in weights.values() for t in (a, b)]):
+        bad = next(m for m, (a, b, _) in weights.items() if not _all_finite([a, b]))
         raise AdapterInvalid(name, f"{bad} has NaN or infinite weights")
-    return adapter
+    if any(t.dtype != dtype for a, b, _ in weights.values() for t in (a, b)):
+        weights = _converted(weights, dtype)
+    # Fold each module's scaling into B, in place (the buffer is this load's own): one
+    # call per distinct scaling value, not one per tensor.
+    by_scaling: dict[float, list[torch.Tensor]] = {}
+    for _, b, scaling in weights.values():
+        if scaling != 1:
+            by_scaling.setdefault(scaling, []).append(b)
+    for scaling, bs in by_scaling.items():
+        torch._foreach_mul_(bs, scaling)
+    return LoRAAdapter(key=key, name=name, path=path, rank=rank,
+                       weights={m: (a, b) for m, (a, b, _) in weights.items()}, magnitudes=magnitudes)
+
+
+def _converted(weights: dict, dtype: torch.dtype) -> dict:
+    """A and B cast to the model's dtype, into one new (page-locked if CUDA) buffer."""
+    tensors = [t for a, b, _ in weights.values() for t in (a, b)]
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=torch.cuda.is_available())
+    out, offset = [], 0
+    for t in tensors:
+        out.append(buf[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    torch._foreach_copy_(out, tensors)
+    it = iter(out)
+    return {m: (next(it), next(it), s) for m, (_, _, s) in weights.items()}
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN or inf. Tensors back to back in one buffer (a file read whole) are checked
+    as one run per dtype: one operation instead of one per tensor."""
+    runs: list[tuple[torch.dtype, int, int, torch.Tensor]] = []  # dtype, start, end, any tensor in it
+    for t in sorted(tensors, key=lambda t: t.data_ptr()):
+        ptr = t.data_ptr()
+        if runs and runs[-1][0] == t.dtype and runs[-1][2] == ptr and t.is_contiguous():
+            runs[-1] = (t.dtype, runs[-1][1], ptr + t.nbytes, runs[-1][3])
+        else:
+            runs.append((t.dtype, ptr, ptr + t.nbytes, t))
+    for dtype, start, end, t in runs:
+        n = (end - start) // dtype.itemsize
+        flat = t if n == t.numel() else torch.empty(0, dtype=dtype).set_(
+            t.untyped_storage(), t.storage_offset() + (start - t.data_ptr()) // dtype.itemsize, (n,))
+        if not _finite(flat):
+            return False
+    return True
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """All finite, by exponent bits for 16-bit floats (a fraction of isfinite's cost on CPU)."""
+    """All finite. 16-bit floats by their exponent bits (|bits| >= all-ones exponent means
+    inf or NaN): several times cheaper on a CPU than isfinite."""
+    if t.numel() == 0:
+        return True
     if t.dtype in (torch.bfloat16, torch.float16):
-        exp = 0x7F80 if t.dtype == torch.bfloat16 else 0x7C00
-        return not bool(((t.reshape(-1).view(torch.int16) & exp) == exp).any())
+        inf = 0x7F80 if t.dtype == torch.bfloat16 else 0x7C00
+        return int((t.reshape(-1).view(torch.int16) & 0x7FFF).max()) < inf
     return bool(torch.isfinite(t).all())
 
 

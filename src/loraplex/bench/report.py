@@ -57,7 +57,7 @@ def summarize(label: str, records: list[RequestRecord], extra: dict | None = Non
              for r in ok if len(r.token_times) > 1]
     itls = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
     tiers = Counter(r.adapter_source for r in records if r.adapter_source)
-    loads = [r.adapter_load_time * 1e3 for r in records if r.adapter_load_time is not None]
+    loads = [r.adapter_load_time for r in records if r.adapter_load_time is not None]
     extra = dict(extra or {})
     if tiers:
         extra["adapter_tiers"] = dict(tiers)

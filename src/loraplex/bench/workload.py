@@ -73,14 +73,15 @@ def prepare_adapters(
 ) -> dict[int, Path]:
     """Random bf16 PEFT adapters number `indices` (A ~ N(0, 1/in), B ~ N(0, 1e-4); adapter
     i is seeded by i), cached on disk."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     root = cache_dir / f"{model_name}-adapters-r{rank}-{'-'.join(sorted(targets))}"
-    paths = {}
-    for i in indices:
-        path = root / f"adapter-{i}"
-        if not (path / "adapter_model.safetensors").is_file():
-            write_random_adapter(path, projections, rank, targets=targets, b_std=1e-4, seed=i,
-                                 dtype=torch.bfloat16)
-        paths[i] = path
+    paths = {i: root / f"adapter-{i}" for i in indices}
+    missing = [i for i, p in paths.items() if not (p / "adapter_model.safetensors").is_file()]
+    with ThreadPoolExecutor(8) as pool:  # torch and safetensors release the GIL
+        list(pool.map(lambda i: write_random_adapter(paths[i], projections, rank, targets=targets,
+                                                     b_std=1e-4, seed=i, dtype=torch.bfloat16),
+                      missing))
     return paths
