@@ -14,8 +14,9 @@ from loraplex.adapters.peft import LoRAAdapter
 
 
 class HostCache:
-    def __init__(self, capacity: int, max_bytes: int | None = None):
+    def __init__(self, capacity: int, max_bytes: int | None = None, on_drop=None):
         self.capacity = capacity
+        self.on_drop = on_drop or (lambda adapter: None)  # called with each dropped adapter
         self.max_bytes = max_bytes
         self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # LRU first
         self._refs: dict[str, int] = {}
@@ -39,6 +40,8 @@ class HostCache:
         if adapter.key not in self._adapters:
             self._adapters[adapter.key] = adapter
             self.nbytes += adapter.nbytes
+        else:
+            self.on_drop(adapter)  # a second copy of content already here
         for _ in range(refs):
             self.ref(adapter.key)
         self._evict()
@@ -56,7 +59,12 @@ class HostCache:
     def forget(self, key: str) -> None:
         """Drop `key` now if nothing holds it (an unloaded adapter)."""
         if key not in self._refs and key not in self.pinned and key in self._adapters:
-            self.nbytes -= self._adapters.pop(key).nbytes
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        adapter = self._adapters.pop(key)
+        self.nbytes -= adapter.nbytes
+        self.on_drop(adapter)
 
     def _over(self) -> bool:
         return len(self._adapters) > self.capacity or (
@@ -66,7 +74,7 @@ class HostCache:
         if not self._over():
             return
         for key in [k for k in self._adapters if k not in self._refs and k not in self.pinned]:
-            self.nbytes -= self._adapters.pop(key).nbytes
+            self._drop(key)
             self.num_evictions += 1
             if not self._over():
                 break

@@ -15,6 +15,7 @@ Only the engine thread touches the HostCache; workers only read, parse and valid
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -29,7 +30,8 @@ import torch
 
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.manifest import content_id
-from loraplex.adapters.peft import LoRAAdapter, read_adapter_dir, to_canonical
+from loraplex.adapters.peft import WEIGHTS_FILE, LoRAAdapter, read_adapter_dir, to_canonical
+from loraplex.adapters.pinned_pool import PinnedPool
 from loraplex.adapters.registry import Registry
 from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolve
 from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
@@ -76,10 +78,15 @@ class AdapterManager:
     ):
         self.projections, self.max_rank, self.dtype = projections, max_rank, dtype
         self.host = host
+        self.pool = None
+        if torch.cuda.is_available():  # one pinned buffer per host adapter and per loader
+            rank_bytes = sum(i + o for i, o in projections.values()) * dtype.itemsize
+            self.pool = PinnedPool(host.capacity + workers, max_rank * rank_bytes + (1 << 20))
+            host.on_drop = self._drop
         self.registry = registry
         self.disk_cache = disk_cache
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-adapter")
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-adapter")
         self._loads: dict[str, _Load] = {}  # source key -> the load in progress
         self._content_of: dict[str, str] = {}  # source key -> content id, once read
         self._resolved: list[AdapterTicket] = []  # since the last take_resolved()
@@ -124,6 +131,7 @@ class AdapterManager:
                 resolved += load.tickets
             elif now - load.started > self.timeout:
                 del self._loads[key]  # the worker's eventual result is dropped
+                load.future.add_done_callback(self._drop_late)
                 self._fail(load, AdapterUnavailable(load.source.name,
                                                     f"not loaded within {self.timeout:g} s"))
                 resolved += load.tickets
@@ -210,17 +218,26 @@ class AdapterManager:
         return cid
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     # -- loads -----------------------------------------------------------------------------
 
     def _start(self, source: AdapterSource, cid: str | None) -> _Load:
         load = self._loads.get(source.key)
         if load is None:
-            future = self._pool.submit(self._read, source, cid)
+            future = self._workers.submit(self._read, source, cid)
             future.add_done_callback(lambda _: self._finished.set())
             load = self._loads[source.key] = _Load(source, future, time.monotonic())
         return load
+
+    def _drop_late(self, future: Future) -> None:
+        if future.exception() is None:
+            self._drop(future.result()[0])
+
+    def _drop(self, adapter: LoRAAdapter) -> None:
+        if adapter.pinned_buffer is not None:
+            self.pool.give(adapter.pinned_buffer, adapter.last_copy)
+            adapter.pinned_buffer = None
 
     def _fail(self, load: _Load, error: AdapterError) -> None:
         for t in load.tickets:
@@ -237,16 +254,24 @@ class AdapterManager:
             else:
                 staged = self.disk_cache.staging() if self.disk_cache else Path(tempfile.mkdtemp())
                 local, tier = str(staged), "remote"
+        slab = self.pool.take(_weights_size(local)) if self.pool is not None else None
         try:
             if staged is not None:
                 download(source, staged, self.timeout)
-            config, tensors = read_adapter_dir(source.name, local, pinned=torch.cuda.is_available())
+            config, tensors = read_adapter_dir(source.name, local, torch.cuda.is_available(), slab)
             cid = content_id(config, tensors)
             if source.content_id is not None and cid != source.content_id:
                 raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")
             adapter = to_canonical(cid, source.name, source.uri, config, tensors,
                                    self.projections, self.max_rank, self.dtype)
+            if slab is not None and _lives_in(adapter, slab):
+                adapter.pinned_buffer, slab = slab, None
+            elif slab is not None:  # the file did not fit, or was cast to another dtype
+                self.pool.give(slab, None)
+                slab = None
         except BaseException:
+            if slab is not None:
+                self.pool.give(slab, None)
             if staged is not None:
                 shutil.rmtree(staged, ignore_errors=True)
             raise
@@ -256,3 +281,15 @@ class AdapterManager:
             else:
                 shutil.rmtree(staged, ignore_errors=True)
         return adapter, tier, time.perf_counter() - t0
+
+
+def _weights_size(adapter_dir: str) -> int:
+    try:
+        return os.path.getsize(os.path.join(adapter_dir, WEIGHTS_FILE))
+    except OSError:
+        return 0  # remote (not downloaded yet) or missing: read_adapter_dir reports it
+
+
+def _lives_in(adapter: LoRAAdapter, buf: torch.Tensor) -> bool:
+    a = next(iter(adapter.weights.values()))[0]
+    return a.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()

@@ -39,6 +39,10 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     # DoRA: module path -> magnitude vector [out] (float32); empty for plain LoRA.
     magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The pooled page-locked buffer its tensors live in (returned when it leaves host
+    # memory), and the event after the last GPU copy from it.
+    pinned_buffer: torch.Tensor | None = None
+    last_copy: object = None
 
     @property
     def nbytes(self) -> int:
@@ -55,8 +59,8 @@ def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -
     return default
 
 
-def read_adapter_dir(name: str, path: str | Path,
-                     pinned: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_adapter_dir(name: str, path: str | Path, pinned: bool = False,
+                     into: torch.Tensor | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """The config and tensors of a local PEFT directory, with file-level checks; the
     tensors are views into one buffer holding the weights file (page-locked if `pinned`)."""
     path = Path(path)
@@ -75,7 +79,7 @@ def read_adapter_dir(name: str, path: str | Path,
         raise AdapterInvalid(name, f"{CONFIG_FILE} is not a JSON object")
     _check_config(name, config)
     try:
-        tensors = read_safetensors(str(weights_file), pinned)
+        tensors = read_safetensors(str(weights_file), pinned, into)
     except (OSError, ValueError) as e:
         raise AdapterInvalid(name, f"unreadable {WEIGHTS_FILE}: {e}") from None
     return config, tensors

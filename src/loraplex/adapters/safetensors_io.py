@@ -16,11 +16,15 @@ import torch
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
-def read_safetensors(path: str, pinned: bool) -> dict[str, torch.Tensor]:
+def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`into`: a uint8 buffer to read into if the file fits (else one is allocated)."""
     size = os.path.getsize(path)
     if size < 8:
         raise ValueError(f"{size} bytes is too short for a safetensors file")
-    buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+    if into is not None and into.numel() >= size:
+        buf = into[:size]
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
     view = memoryview(buf.numpy())
     with open(path, "rb", buffering=0) as f:
         done = 0

@@ -8,6 +8,7 @@ strings and produces RequestOutputs.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,6 +51,12 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(config, self.eos_token_ids)
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
+        if self.adapters is not None:
+            # Loader threads run short Python stretches between GIL-free reads, hashes and
+            # copies; at the default 5 ms switch interval each one could hold up the engine
+            # loop (and so the GPU) for that long. Measured on an H200, 1,000 cold adapters:
+            # 1,185 -> 1,400 output tok/s at 0.5 ms.
+            sys.setswitchinterval(5e-4)
         self.runner.adapters = self.adapters
         self.scheduler = Scheduler(
             config.scheduler,

@@ -245,7 +245,10 @@ class ModelRunner:
             for slot, key in loads.items():
                 if slot in self._slot_last_read:
                     self.copy_stream.wait_event(self._slot_last_read.pop(slot))
-                self.lora_slots.load(slot, self.adapters.get(key))
+                adapter = self.adapters.get(key)
+                self.lora_slots.load(slot, adapter)
+                adapter.last_copy = torch.cuda.Event()  # its host buffer is free after this
+                adapter.last_copy.record(self.copy_stream)
         torch.cuda.current_stream().wait_stream(self.copy_stream)
 
     def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
