@@ -229,16 +229,19 @@ def test_dora_and_mixed_adapters_in_one_batch(arch, model_dirs, adapter_dirs, tm
     prompts = random_prompts(2 * len(loras), (5, 20), seed=5)
     per_prompt = loras * 2
     n = 5
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=0)
     together = llm.generate(prompts, sp, per_prompt)
     alone = [llm.generate([p], sp, lora)[0] for p, lora in zip(prompts, per_prompt)]
-    assert _tokens(together) == _tokens(alone)
     oracle = HFOracle(model, dora_dir)
-    for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):
-        assert out.outputs[0].token_ids == oracle.greedy(p, n)
-    # Logprobs too, not only argmaxes.
-    lp_sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    got = llm.generate([prompts[0]], lp_sp, loras[0])[0].prompt_logprobs[1:]
-    ref = oracle.prompt_logprobs(prompts[0])
-    got = torch.tensor([next(iter(d.values())).logprob for d in got])
-    torch.testing.assert_close(got, ref, atol=tolerance(), rtol=0)
+    for p, a, b in zip(prompts, together, alone):
+        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
+    for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):  # the DoRA requests
+        torch.testing.assert_close(_prompt_lps(out, p), oracle.prompt_logprobs(p), atol=tolerance(), rtol=0)
+    if DTYPE == "float32":  # bf16 rounding may flip a near-tie, so tokens only in float32
+        assert _tokens(together) == _tokens(alone)
+        for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):
+            assert out.outputs[0].token_ids == oracle.greedy(p, n)
+
+
+def _prompt_lps(out, prompt) -> torch.Tensor:
+    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
