@@ -17,6 +17,7 @@ from conftest import ADAPTERS, DTYPE, HFOracle, make_llm, random_prompts, tolera
 from loraplex import AdapterNotFound, LoRARequest, SamplingParams
 from loraplex.adapters.registry import Registry
 from loraplex.bench.synthetic import LINEAR_TARGETS, write_random_adapter
+from loraplex.entrypoints.cli import main
 from loraplex.errors import AdapterUnavailable
 
 SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
@@ -102,7 +103,7 @@ def test_identical_content_shares_one_copy(llm, tmp_path):
     assert slots[0] == slots[1] is not None, "one GPU slot for identical content"
 
 
-def test_registry_versions_and_hot_swap(model_dirs, tmp_path):
+def test_registry_versions_and_hot_swap(model_dirs, tmp_path, capsys):
     registry = Registry(str(tmp_path / "registry"))
     llm = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8,
                    lora_registry=str(tmp_path / "registry"))
@@ -129,6 +130,10 @@ def test_registry_versions_and_hot_swap(model_dirs, tmp_path):
     assert done["old"].metrics.adapter_content_id == expect_v1.metrics.adapter_content_id
     assert done["new"].metrics.adapter_content_id == cid2
     assert registry.names() == ["support"]
+    main(["registry", str(tmp_path / "registry"), "publish", "other", str(v1)])
+    main(["registry", str(tmp_path / "registry"), "list"])
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[-1] == f"support@2 {cid2} (latest)" and listing[0].startswith("other@1 sha256:")
     assert len(list((tmp_path / "registry" / "blobs").iterdir())) == 2, "v2 published twice, stored once"
 
 

@@ -64,7 +64,8 @@ class Registry:
 
     def publish(self, name: str, adapter_dir: str | Path, version: str | None = None) -> tuple[str, str]:
         """Add `adapter_dir` as a new version of `name` (the next integer unless given)
-        and make it the latest. Returns (version, content id)."""
+        and make it the latest; the same content as the latest is not a new version.
+        Returns (version, content id)."""
         from loraplex.adapters.manifest import content_id
         from loraplex.adapters.peft import read_adapter_dir
 
@@ -78,6 +79,8 @@ class Registry:
             for f in FILES:
                 self.fs.put_file(str(Path(adapter_dir) / f), f"{blob}/{f}")
         index = self.index(name)
+        if version is None and index["versions"].get(index["latest"]) == cid:
+            return index["latest"], cid  # republishing the latest content changes nothing
         if version is None:
             version = str(1 + max((int(v) for v in index["versions"] if v.isdigit()), default=0))
         index["versions"][version] = cid

@@ -24,6 +24,24 @@ def _generate(args) -> int:
     return 0
 
 
+def _registry(args) -> int:
+    from loraplex.adapters.registry import Registry
+
+    registry = Registry(args.root)
+    if args.action == "publish":
+        if not (args.name and args.adapter_dir):
+            raise SystemExit("usage: loraplex registry ROOT publish NAME ADAPTER_DIR [--version V]")
+        version, cid = registry.publish(args.name, args.adapter_dir, args.version)
+        print(f"{args.name}@{version} {cid}")
+    else:
+        for name in registry.names():
+            index = registry.index(name)
+            for version, cid in sorted(index["versions"].items()):
+                latest = " (latest)" if version == index["latest"] else ""
+                print(f"{name}@{version} {cid}{latest}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
     bench.add_arguments(b)
     b.set_defaults(func=bench.main)
+
+    reg = sub.add_parser("registry", help="publish adapters to / list a registry (for --lora-registry)")
+    reg.add_argument("root", help="registry directory or fsspec URL")
+    reg.add_argument("action", choices=["publish", "list"])
+    reg.add_argument("name", nargs="?")
+    reg.add_argument("adapter_dir", nargs="?")
+    reg.add_argument("--version", default=None, help="default: the next integer")
+    reg.set_defaults(func=_registry)
 
     args = parser.parse_args(argv)
     return args.func(args)
