@@ -52,7 +52,6 @@ def serve_args(model_dir, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(chat_model, adapter_dirs, tmp_path_factory):
-    import uvicorn
 
     from loraplex.server.run import add_arguments, build_server
 
@@ -66,7 +65,13 @@ def server(chat_model, adapter_dirs, tmp_path_factory):
         "--lora-modules", f"public-ad={ads['all7-r8']}",
         json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
     ))
-    srv, app = build_server(args)
+    yield from _running(*build_server(args))
+
+
+def _running(srv, app):
+    """Serve `app` with uvicorn on a free loopback port in a thread; yield `srv` with .url."""
+    import uvicorn
+
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -181,7 +186,6 @@ def test_load_and_unload_adapters(server, adapter_dirs):
 @pytest.fixture(scope="module")
 def registry_server(chat_model, adapter_dirs, tmp_path_factory):
     """A server with an adapter registry and a pinned adapter."""
-    import uvicorn
 
     from loraplex.adapters.registry import Registry
     from loraplex.server.run import add_arguments, build_server
@@ -200,17 +204,7 @@ def registry_server(chat_model, adapter_dirs, tmp_path_factory):
         chat_model, "--served-model-name", "tiny", "--lora-registry", str(root),
         "--lora-modules", f"pinned-ad={ads['all7-r8']}", "--pinned-loras", "pinned-ad",
         "--lora-cache-dir", str(tmp_path_factory.mktemp("lora-cache")), "--lora-load-timeout", "3"))
-    srv, app = build_server(args)
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.02)
-    srv.url = f"http://127.0.0.1:{port}"
-    yield srv
-    uv.should_exit = True
-    thread.join(10)
+    yield from _running(*build_server(args))
 
 
 def test_registry_adapters_pinning_and_load_failures(registry_server, offline, adapter_dirs):
