@@ -50,6 +50,26 @@ def test_bench_in_process_on_a_tiny_model(model_dirs, tmp_path, capsys):
     assert all(r["output_throughput"] > 0 and r["tpot_ms"]["median"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("registry", [False, True])
+def test_bench_cold_adapters(model_dirs, tmp_path, capsys, registry):
+    """Adapters start on disk (or in a registry): every request's adapter loads while the
+    run goes on, through 2 GPU slots and 3 host entries; the report counts the tiers."""
+    out = tmp_path / "result.json"
+    code = cli(["bench", "--model", str(model_dirs["qwen3"]), "--num-prompts", "12",
+                "--input-len", "8", "--output-len", "4", "--max-concurrency", "4",
+                "--num-adapters", "40", "--adapter-dist", "uniform", "zipf", "--cold-adapters",
+                "--max-loras", "2", "--max-cpu-loras", "3", "--lora-rank", "4", "--dtype", "float32",
+                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out),
+                *(["--adapter-registry"] if registry else [])])
+    assert code == 0
+    assert "40 adapters (zipf, cold)" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r["num_failed"] for r in rows] == [0, 0]
+    tiers = rows[0]["extra"]["adapter_tiers"]
+    assert sum(tiers.values()) == 12 and tiers.get("disk", 0) >= 6
+    assert rows[0]["extra"]["adapter_load_ms"]["median"] > 0
+
+
 class _FakeOpenAI(BaseHTTPRequestHandler):
     """Streams `max_tokens` one-word chunks, then usage, like /v1/completions."""
 

@@ -247,10 +247,13 @@ class AdapterManager:
         """Worker thread: fetch, parse, validate, pin. Touches no shared state."""
         t0 = time.perf_counter()
         local, tier, staged = source.uri, "disk", None
+        # Content-addressed copies were verified when they were written (registry publish,
+        # disk-cache commit): their content id needs no second pass over the bytes.
+        verified = source.content_id is not None and not source.remote
         if source.remote:
             cached = self.disk_cache.lookup(cid) if (self.disk_cache and cid) else None
             if cached is not None:
-                local = str(cached)
+                local, verified = str(cached), True
             else:
                 staged = self.disk_cache.staging() if self.disk_cache else Path(tempfile.mkdtemp())
                 local, tier = str(staged), "remote"
@@ -259,7 +262,7 @@ class AdapterManager:
             if staged is not None:
                 download(source, staged, self.timeout)
             config, tensors = read_adapter_dir(source.name, local, torch.cuda.is_available(), slab)
-            cid = content_id(config, tensors)
+            cid = cid if verified else content_id(config, tensors)
             if source.content_id is not None and cid != source.content_id:
                 raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")
             adapter = to_canonical(cid, source.name, source.uri, config, tensors,

@@ -62,10 +62,12 @@ class Registry:
             raise AdapterNotFound(name, f"{what} is not in the registry at {self.root}")
         return index["versions"][version]
 
-    def publish(self, name: str, adapter_dir: str | Path, version: str | None = None) -> tuple[str, str]:
+    def publish(self, name: str, adapter_dir: str | Path, version: str | None = None,
+                link: bool = False) -> tuple[str, str]:
         """Add `adapter_dir` as a new version of `name` (the next integer unless given)
         and make it the latest; the same content as the latest is not a new version.
-        Returns (version, content id)."""
+        With `link`, a local registry hard-links the files instead of copying them (the
+        source must then never change). Returns (version, content id)."""
         from loraplex.adapters.manifest import content_id
         from loraplex.adapters.peft import read_adapter_dir
 
@@ -77,7 +79,10 @@ class Registry:
         if not self.fs.exists(f"{blob}/{FILES[1]}"):
             self.fs.makedirs(blob, exist_ok=True)
             for f in FILES:
-                self.fs.put_file(str(Path(adapter_dir) / f), f"{blob}/{f}")
+                if link and not self.remote:
+                    os.link(Path(adapter_dir) / f, Path(blob) / f)
+                else:
+                    self.fs.put_file(str(Path(adapter_dir) / f), f"{blob}/{f}")
         index = self.index(name)
         if version is None and index["versions"].get(index["latest"]) == cid:
             return index["latest"], cid  # republishing the latest content changes nothing

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="host-memory adapters (default: K pre-loaded; 4 x max-loras cold)")
     p.add_argument("--lora-load-workers", type=int, default=8)
+    p.add_argument("--adapter-registry", action="store_true",
+                   help="publish the adapters to a registry (hard links) and request them by name")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS))
     p.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: max K)")
@@ -109,8 +111,10 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     max_model_len = args.max_model_len or args.input_len + args.output_len + 16
     max_loras = args.max_loras or max(1, min(max_k, 32 if args.cold_adapters else max_k))
     host = args.max_cpu_loras or (4 * max_loras if args.cold_adapters else max(max_k, 1))
+    registry = Path(args.cache_dir) / "registry" if args.adapter_registry else None
     llm = LLM(
         str(model_dir), dtype=args.dtype, load_format="dummy" if dummy else "auto",
+        lora_registry=str(registry) if registry else None,
         seed=args.seed, max_loras=max_loras, lora_load_workers=args.lora_load_workers,
         max_lora_rank=args.lora_rank, max_cpu_loras=host,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
@@ -130,14 +134,19 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
                                  projections=shapes, indices=list(used), rank=args.lora_rank,
                                  targets=tuple(args.lora_targets))
-        adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, str(paths[i])) if i in paths else None
-                    for i in range(max_k)]
+        if registry:
+            _publish(registry, {f"bench-adapter-{i}": p for i, p in paths.items()})
+        adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, "" if registry else str(paths[i]))
+                    if i in paths else None for i in range(max_k)]
         if args.cold_adapters:  # warm up on other adapters; the timed ones stay on disk
             n = min(max_loras, max_k)
             warm_paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
                                           projections=shapes, indices=list(range(10**6, 10**6 + n)),
                                           rank=args.lora_rank, targets=tuple(args.lora_targets))
-            warm = [LoRARequest(f"warm-{i}", 10**6 + i, str(p)) for i, p in warm_paths.items()]
+            if registry:
+                _publish(registry, {f"warm-{i}": p for i, p in warm_paths.items()})
+            warm = [LoRARequest(f"warm-{i}", 10**6 + i, "" if registry else str(p))
+                    for i, p in warm_paths.items()]
         else:
             warm = adapters
             for lora in adapters:
@@ -153,6 +162,18 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
+
+
+def _publish(root: Path, adapters: dict[str, Path]) -> None:
+    """Publish adapter directories under their names (hard links: no copies)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplex.adapters.registry import Registry
+
+    registry = Registry(str(root))
+    todo = {n: p for n, p in adapters.items() if not registry.index(n)["versions"]}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda item: registry.publish(*item, link=True), todo.items()))
 
 
 def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
