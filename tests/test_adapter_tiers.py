@@ -200,7 +200,8 @@ def test_remote_sources_tiers_and_faults(model_dirs, tmp_path, http_root, hangin
 
     # Evicted from host memory (capacity 1), the remote adapter comes back from disk.
     llm.generate(prompts[:1], SP, LoRARequest("other", 3, f"{url}/other"))
-    again = llm.generate(prompts[:1], SP, remote)[0]
+    engine.add_request("again", prompts[0], SP, remote)
+    again = _run_engine(engine)["again"]
     assert again.metrics.adapter_source == "disk" and again.outputs[0].token_ids == expected[0]
     assert engine.stats()["adapter_remote_loads"] == 2
 

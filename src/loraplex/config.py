@@ -19,6 +19,8 @@ _ARCHS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True),
+    # Qwen3's attention; sparse MoE MLPs (softmax router, top-k, optional renormalisation).
+    "Qwen3MoeForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, moe=True),
     # Gemma 3: (1 + w) norms, four per block, GELU-tanh, scaled embeddings, q/k norm,
     # interleaved sliding-window and global layers with their own rope bases.
     "Gemma3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, gemma=True),
@@ -61,6 +63,12 @@ class ModelConfig:
     gemma_norms: bool = False
     embed_scale: float | None = None
     final_logit_softcap: float | None = None
+    # Mixture of experts: layers whose MLP is sparse, and its shape.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def q_size(self) -> int:
@@ -106,6 +114,17 @@ class ModelConfig:
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
         gemma = facts.get("gemma", False)
         pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
+        moe = {}
+        if facts.get("moe"):
+            experts, step = hf.num_experts, getattr(hf, "decoder_sparse_step", 1)
+            dense = set(getattr(hf, "mlp_only_layers", None) or [])
+            moe = dict(
+                moe_layers=tuple(i for i in range(n_layers)
+                                 if experts > 0 and i not in dense and (i + 1) % step == 0),
+                num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size,
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            )
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -133,6 +152,7 @@ class ModelConfig:
             gemma_norms=gemma,
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+            **moe,
         )
 
 

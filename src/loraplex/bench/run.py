@@ -20,7 +20,7 @@ from pathlib import Path
 from loraplex.bench.clients import run_http, run_in_process
 from loraplex.bench.report import format_table, plot, summarize, to_json
 from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import make_requests, prepare_adapters, prepare_model_dir
+from loraplex.bench.workload import BUNDLED_CONFIGS, make_requests, prepare_adapters, prepare_model_dir
 from loraplex.types import LoRARequest, SamplingParams
 
 logger = logging.getLogger("loraplex")
@@ -28,7 +28,7 @@ logger = logging.getLogger("loraplex")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
-                   help="model directory, or a bundled config: llama-3.1-8b, qwen3-8b, qwen3-0.6b")
+                   help="model directory, or a bundled config: " + ", ".join(BUNDLED_CONFIGS))
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)

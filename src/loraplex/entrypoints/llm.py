@@ -126,14 +126,24 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]}.
         sampling_params and lora_request are one for all prompts or a list parallel to
-        them; a None lora_request means the base model. Invalid prompts, and adapters
-        known to be missing, raise before any prompt is queued; an adapter that fails to
-        load later raises its error once the others are aborted.
+        them; a None lora_request means the base model. Invalid prompts and bad adapters
+        raise before any prompt is queued (when the batch has more distinct adapters
+        than host memory holds, an adapter that fails to load later raises its error
+        once the other requests are aborted).
         """
         prompts = _as_prompt_list(prompts)
         n = len(prompts)
         params = _broadcast(sampling_params or SamplingParams(), n, "sampling_params")
         loras = _broadcast(lora_request, n, "lora_request")
+
+        # Adapters that fit host memory together are loaded first (errors raise before
+        # anything is queued, and the schedule does not depend on load timing); more
+        # than that stream through host memory as requests reach them.
+        distinct = {lora.key: lora for lora in loras if lora is not None}
+        manager = self.engine.adapters
+        if manager is not None and 0 < len(distinct) <= manager.host.capacity:
+            for lora in distinct.values():
+                self.engine.load_adapter(lora)
 
         queued = []
         try:

@@ -75,7 +75,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = self.make_mlp(cfg, layer)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(cfg)
 
     def forward(self, positions, h, residual):
         """Pre-norm block; the residual stream travels beside h so that each add fuses

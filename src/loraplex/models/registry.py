@@ -8,12 +8,14 @@ from loraplex.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from loraplex.errors import UnsupportedModel
 from loraplex.models.dense import DenseCausalLM
 from loraplex.models.gemma3 import Gemma3CausalLM
+from loraplex.models.moe import MoECausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": DenseCausalLM,
     "MistralForCausalLM": DenseCausalLM,
     "Qwen2ForCausalLM": DenseCausalLM,
     "Qwen3ForCausalLM": DenseCausalLM,
+    "Qwen3MoeForCausalLM": MoECausalLM,
     "Gemma3ForCausalLM": Gemma3CausalLM,
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)

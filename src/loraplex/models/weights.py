@@ -8,6 +8,7 @@ tells the adapter loader where each PEFT module's delta goes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from loraplex.layers.linear import LoRALinear
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in a per-expert MoE checkpoint -> the fused 3D parameter.
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
     fused = {f"{p.layer_path}.{n}" for p in index.values() for n in ("weight", "bias")}
     expected |= {n for n in params if n not in fused}
     loaded: set[str] = set()
+    expert_parts: dict[str, set] = {}  # fused expert parameter -> (expert, part) loaded
 
     files = safetensors_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
@@ -80,7 +84,12 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
         tensor = handle.get_tensor(name)
-        if module_path in index:
+        expert = _EXPERT.match(name)
+        if expert is not None and f"{expert['experts']}.gate_up_proj" in params:
+            fused, dest = _expert_slice(params, expert)
+            expert_parts.setdefault(fused, set()).add((expert["e"], expert["proj"]))
+            key = None  # complete once every expert's part has come
+        elif module_path in index:
             proj = index[module_path]
             dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
             key = f"{proj.layer_path}.{kind}#{proj.slice}"
@@ -93,10 +102,27 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
                 f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        loaded.add(key)
+        if key is not None:
+            loaded.add(key)
+    for key, parts in expert_parts.items():
+        shape = params[key].shape
+        if len(parts) == shape[0] * (2 if key.endswith("gate_up_proj") else 1):
+            loaded.add(key)
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
+    """Where one expert's gate/up/down matrix goes in the fused [E, 2I, H] / [E, H, I]."""
+    e = int(m["e"])
+    if m["proj"] == "down_proj":
+        key = f"{m['experts']}.down_proj"
+        return key, params[key].data[e]
+    key = f"{m['experts']}.gate_up_proj"
+    inter = params[key].shape[1] // 2
+    rows = slice(0, inter) if m["proj"] == "gate_proj" else slice(inter, 2 * inter)
+    return key, params[key].data[e, rows]
 
 
 def init_dummy(model: nn.Module, std: float, seed: int) -> None:

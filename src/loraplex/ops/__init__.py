@@ -132,6 +132,13 @@ def rotary_embedding(
     return _impl.rotary_embedding(q, k, positions, cos_sin)
 
 
+def fused_moe(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool, activation: str = "silu") -> torch.Tensor:
+    """Sparse MoE MLP: x [T, H], router [E, H], w_gate_up [E, 2I, H], w_down [E, H, I]
+    -> [T, H]; softmax routing to top_k experts (see ops/reference/moe.py)."""
+    return _impl.fused_moe(x, router, w_gate_up, w_down, top_k, renormalize, activation)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """Semantics: silu(x[:, :I]) * x[:, I:] for x [T, 2I]."""
     return _impl.silu_and_mul(x)
@@ -145,6 +152,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "AttentionBatch",
     "add_rms_norm",
+    "fused_moe",
     "LoRABatch",
     "backend_name",
     "gelu_tanh_and_mul",

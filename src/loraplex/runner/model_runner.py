@@ -79,7 +79,9 @@ class ModelRunner:
             torch.backends.cuda.preferred_blas_library("cublaslt")
         self._slot_last_read: dict[int, torch.cuda.Event] = {}
         self.num_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
+        # The MoE op routes on the host (plain torch until a fused kernel exists): no graphs.
+        if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
+                and not config.model.moe_layers):
             self.graphs = DecodeGraphs(
                 self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None,
                 self.aux_stream,

@@ -9,8 +9,10 @@ from loraplex.ops.reference.elementwise import (
     silu_and_mul,
 )
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
+from loraplex.ops.reference.moe import fused_moe
 
 __all__ = [
+    "fused_moe",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "lora_expand",
