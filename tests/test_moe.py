@@ -1,5 +1,5 @@
-"""Mixture-of-experts bases (Qwen3-MoE): parity with transformers in both checkpoint
-layouts, attention adapters on an MoE model, and expert adapters refused, not skipped."""
+"""Mixture-of-experts bases (Qwen3-MoE, Mixtral): parity with transformers in both
+checkpoint layouts, attention adapters on an MoE model, and expert adapters refused, not skipped."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ def test_qwen3_moe_matches_transformers(moe_dir):
     llm = make_llm(moe_dir)
     assert llm.config.model.moe_layers == (0, 2)
     _check_against(HFOracle(moe_dir), llm, random_prompts(4, (5, 30), seed=1))
+
+
+def test_mixtral_matches_transformers(tmp_path):
+    """Mixtral: block_sparse_moe with per-expert w1/w3/w2, top-2 renormalised."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.08)
+    model_dir = write_random_model(tmp_path / "mixtral", cfg, 0, None)
+    llm = make_llm(model_dir)
+    assert llm.config.model.moe_layers == (0, 1) and llm.config.model.norm_topk_prob
+    _check_against(HFOracle(model_dir), llm, random_prompts(4, (5, 30), seed=6))
 
 
 def test_fused_expert_checkpoint_layout(moe_dir, tmp_path):

@@ -21,6 +21,8 @@ _ARCHS: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True),
     # Qwen3's attention; sparse MoE MLPs (softmax router, top-k, optional renormalisation).
     "Qwen3MoeForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, moe=True),
+    # Mistral's attention; every MLP sparse, top-2 always renormalised.
+    "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=True),
     # Gemma 3: (1 + w) norms, four per block, GELU-tanh, scaled embeddings, q/k norm,
     # interleaved sliding-window and global layers with their own rope bases.
     "Gemma3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, gemma=True),
@@ -116,14 +118,15 @@ class ModelConfig:
         pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
         moe = {}
         if facts.get("moe"):
-            experts, step = hf.num_experts, getattr(hf, "decoder_sparse_step", 1)
+            experts = getattr(hf, "num_experts", None) or hf.num_local_experts  # Mixtral's name
+            step = getattr(hf, "decoder_sparse_step", 1)
             dense = set(getattr(hf, "mlp_only_layers", None) or [])
             moe = dict(
                 moe_layers=tuple(i for i in range(n_layers)
                                  if experts > 0 and i not in dense and (i + 1) % step == 0),
                 num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
-                moe_intermediate_size=hf.moe_intermediate_size,
-                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+                moe_intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", arch == "MixtralForCausalLM")),
             )
         return cls(
             architecture=arch,

@@ -1,10 +1,11 @@
-"""Mixture-of-experts decoder LMs: Qwen3-MoE.
+"""Mixture-of-experts decoder LMs: Qwen3-MoE, Mixtral.
 
 Attention is Qwen3's (so attention adapters apply as on dense models); the MLP of each
 sparse layer is a router plus experts held as fused 3D tensors, the layout the MoE ops
 read: gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I].
 Checkpoints in that layout load directly; per-expert checkpoints
-(`mlp.experts.E.gate_proj/up_proj/down_proj`) are assembled into it (models/weights.py).
+(`mlp.experts.E.gate_proj/up_proj/down_proj`; Mixtral's `block_sparse_moe.experts.E.w1/
+w3/w2`) are assembled into it (models/weights.py).
 Adapters on experts are not served yet: their keys fail as modules this model cannot
 adapt.
 """
@@ -49,3 +50,8 @@ class MoEDecoderLayer(DecoderLayer):
 
 class MoECausalLM(DenseCausalLM):
     layer_cls = MoEDecoderLayer
+
+
+class MixtralCausalLM(MoECausalLM):
+    # Mixtral checkpoints call each layer's sparse MLP block_sparse_moe.
+    checkpoint_renames = {".block_sparse_moe.": ".mlp."}

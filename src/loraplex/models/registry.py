@@ -8,7 +8,7 @@ from loraplex.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from loraplex.errors import UnsupportedModel
 from loraplex.models.dense import DenseCausalLM
 from loraplex.models.gemma3 import Gemma3CausalLM
-from loraplex.models.moe import MoECausalLM
+from loraplex.models.moe import MixtralCausalLM, MoECausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": DenseCausalLM,
@@ -16,6 +16,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": DenseCausalLM,
     "Qwen3ForCausalLM": DenseCausalLM,
     "Qwen3MoeForCausalLM": MoECausalLM,
+    "MixtralForCausalLM": MixtralCausalLM,
     "Gemma3ForCausalLM": Gemma3CausalLM,
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)

@@ -23,7 +23,9 @@ from loraplex.layers.linear import LoRALinear
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in a per-expert MoE checkpoint -> the fused 3D parameter.
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+                     r"\.weight$")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,15 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
     files = safetensors_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
-    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
+    renames = getattr(model, "checkpoint_renames", {})
+    for handle, ckpt_name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
+        name = ckpt_name
+        for old, new in renames.items():
+            name = name.replace(old, new)
         module_path, _, kind = name.rpartition(".")
         if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
-        tensor = handle.get_tensor(name)
+        tensor = handle.get_tensor(ckpt_name)
         expert = _EXPERT.match(name)
         if expert is not None and f"{expert['experts']}.gate_up_proj" in params:
             fused, dest = _expert_slice(params, expert)
@@ -115,13 +121,13 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
 
 def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
     """Where one expert's gate/up/down matrix goes in the fused [E, 2I, H] / [E, H, I]."""
-    e = int(m["e"])
-    if m["proj"] == "down_proj":
+    e, proj = int(m["e"]), _MIXTRAL_PARTS.get(m["proj"], m["proj"])
+    if proj == "down_proj":
         key = f"{m['experts']}.down_proj"
         return key, params[key].data[e]
     key = f"{m['experts']}.gate_up_proj"
     inter = params[key].shape[1] // 2
-    rows = slice(0, inter) if m["proj"] == "gate_proj" else slice(inter, 2 * inter)
+    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
     return key, params[key].data[e, rows]
 
 
