@@ -251,3 +251,15 @@ def test_dora_and_mixed_adapters_in_one_batch(arch, model_dirs, adapter_dirs, tm
 
 def _prompt_lps(out, prompt) -> torch.Tensor:
     return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+
+def test_pinned_pool_is_bounded_and_reused():
+    from loraplex.adapters.pinned_pool import PinnedPool
+
+    pool = PinnedPool(count=10, nbytes=3000, max_bytes=4096 * 3, pinned=False)  # 3 of 4 KiB
+    bufs = [pool.take(2500) for _ in range(3)]
+    assert all(b is not None and b.numel() == 3000 for b in bufs)
+    assert pool.take(100) is None, "spent: the caller allocates its own"
+    pool.give(bufs[0], None)
+    assert pool.take(5000) is None, "too big for a pool buffer"
+    assert pool.take(3000).data_ptr() == bufs[0].data_ptr(), "buffers are reused"

@@ -81,7 +81,7 @@ class AdapterManager:
         self.pool = None
         if torch.cuda.is_available():  # one pinned buffer per host adapter and per loader
             rank_bytes = sum(i + o for i, o in projections.values()) * dtype.itemsize
-            self.pool = PinnedPool(host.capacity + workers, max_rank * rank_bytes + (1 << 20))
+            self.pool = PinnedPool(host.capacity + workers, max_rank * rank_bytes + (1 << 20), host.max_bytes)
             host.on_drop = self._drop
         self.registry = registry
         self.disk_cache = disk_cache

@@ -7,7 +7,8 @@ largest adapter the model allows (every projection at max_lora_rank), all alloca
 startup. A buffer comes back when its adapter leaves host memory, and is handed out
 again only after the last GPU copy from it has finished (an event recorded by the
 runner). An adapter that finds the pool empty (more referenced adapters than host
-slots) or too small (a float32 file) allocates its own.
+slots, or more host slots than MAX_BYTES holds) or too small (a float32 file) allocates
+its own.
 """
 
 from __future__ import annotations
@@ -16,12 +17,19 @@ import threading
 
 import torch
 
+# Page-locked memory reserved at startup unless the host tier has a byte budget. Buffers
+# are sized for max_lora_rank and torch rounds page-locked allocations up to a power of
+# two, so a large max_lora_rank x max_cpu_loras would otherwise lock tens of GiB up front.
+DEFAULT_MAX_BYTES = 4 << 30
+
 
 class PinnedPool:
-    def __init__(self, count: int, nbytes: int):
+    def __init__(self, count: int, nbytes: int, max_bytes: int | None = None, pinned: bool = True):
         self.nbytes = nbytes
+        budget = max_bytes or DEFAULT_MAX_BYTES
+        count = max(1, min(count, budget // (1 << (nbytes - 1).bit_length())))
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
-            (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), None) for _ in range(count)]
+            (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None) for _ in range(count)]
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor | None:

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapters start on disk: nothing pre-loaded into host memory or GPU slots")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="host-memory adapters (default: K pre-loaded; 4 x max-loras cold)")
+    p.add_argument("--max-cpu-lora-memory", type=float, default=None, metavar="GIB",
+                   help="byte budget of the host tier (also what it page-locks up front)")
     p.add_argument("--lora-load-workers", type=int, default=8)
     p.add_argument("--adapter-registry", action="store_true",
                    help="publish the adapters to a registry (hard links) and request them by name")
@@ -117,6 +119,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         lora_registry=str(registry) if registry else None,
         seed=args.seed, max_loras=max_loras, lora_load_workers=args.lora_load_workers,
         max_lora_rank=args.lora_rank, max_cpu_loras=host,
+        max_cpu_lora_bytes=int(args.max_cpu_lora_memory * 2**30) if args.max_cpu_lora_memory else None,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
         enforce_eager=args.enforce_eager,
