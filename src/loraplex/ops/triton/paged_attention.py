@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
 
@@ -84,29 +85,13 @@ def _paged_attention_kernel(
     for n0 in range(kv_begin, kv_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < kv_end
-        page = tl.load(table + n // PAGE, mask=n_mask, other=0)
-        k_off = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        v_off = page * stride_vb + (n % PAGE) * stride_vs + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         visible = (n[None, :] <= pos[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             visible = visible & (n[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, n, n_mask, visible, table, k_cache_ptr, v_cache_ptr, kv_head, offs_d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, scale,
+            PAGE, DOT_PRECISION, UPCAST)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.precision import dot_settings
 
 # Keys per partition. 256 splits a ~600-token context 3 ways (768 programs for 32 seqs x
@@ -115,35 +116,18 @@ def _decode_split_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    # Every tile holds a visible key (the window's first key lies in the first tile), so
-    # the running max is finite after the first tile and needs no -inf guard.
     offs_n = tl.arange(0, BLOCK_N)
     table = block_tables_ptr + seq * stride_bt
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < end
-        page = tl.load(table + n // PAGE, mask=n_mask, other=0)
-        k_off = page * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        v_off = page * stride_vb + (n % PAGE) * stride_vs + kv_head * stride_vh
-        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None] * stride_kd,
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         visible = n_mask
         if USE_WINDOW:
             visible = visible & (n >= ctx_len - window)
-        s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, n, n_mask, visible[None, :], table, k_cache_ptr, v_cache_ptr, kv_head,
+            offs_d, d_mask, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+            stride_vd, scale, PAGE, DOT_PRECISION, UPCAST)
 
     slot = (seq * num_heads + head) * splits + split  # scratch is [B, Hq, splits, (D)]
     tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc,
