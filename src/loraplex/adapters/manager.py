@@ -95,12 +95,11 @@ class AdapterManager:
 
     # -- engine thread -------------------------------------------------------------------
 
-    def submit(self, lora: LoRARequest, owner: object = None) -> AdapterTicket:
+    def submit(self, lora: LoRARequest) -> AdapterTicket:
         """A ticket for `lora` (raises AdapterNotFound at once for what is known missing)."""
         self.poll()  # so content that just arrived counts as in memory
-        source = resolve(lora, self.registry)
-        ticket = AdapterTicket(lora, source, owner=owner)
-        cid = source.content_id or self._content_of.get(source.key)
+        source, cid = self._resolve(lora)
+        ticket = AdapterTicket(lora, source)
         if cid is not None and cid in self.host:
             self.host.ref(cid)
             ticket.state, ticket.content_id, ticket.tier = "ready", cid, "host"
@@ -181,8 +180,7 @@ class AdapterManager:
     def prefetch(self, lora: LoRARequest) -> Future:
         """Start loading `lora` without waiting; the future gives its content id (or the
         adapter's error) once read. Any thread may wait on it; poll() files it."""
-        source = resolve(lora, self.registry)
-        cid = source.content_id or self._content_of.get(source.key)
+        source, cid = self._resolve(lora)
         out: Future = Future()
         if cid is not None and cid in self.host:
             out.set_result(cid)
@@ -217,8 +215,10 @@ class AdapterManager:
             self.host.forget(cid)
         return cid
 
-    def shutdown(self) -> None:
-        self._workers.shutdown(wait=False, cancel_futures=True)
+    def _resolve(self, lora: LoRARequest) -> tuple[AdapterSource, str | None]:
+        """Its source, and its content id if known without reading it."""
+        source = resolve(lora, self.registry)
+        return source, source.content_id or self._content_of.get(source.key)
 
     # -- loads -----------------------------------------------------------------------------
 

@@ -85,19 +85,6 @@ def read_adapter_dir(name: str, path: str | Path, pinned: bool = False,
     return config, tensors
 
 
-def load_peft_adapter(
-    key: str,
-    name: str,
-    path: str | Path,
-    projections: Mapping[str, tuple[int, int]],
-    max_rank: int,
-    dtype: torch.dtype = torch.float32,
-) -> LoRAAdapter:
-    """Read and validate a local PEFT LoRA directory (see to_canonical)."""
-    config, tensors = read_adapter_dir(name, path)
-    return to_canonical(key, name, str(path), config, tensors, projections, max_rank, dtype)
-
-
 def to_canonical(
     key: str,
     name: str,

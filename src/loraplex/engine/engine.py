@@ -7,10 +7,8 @@ strings and produces RequestOutputs.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.manager import AdapterManager
@@ -23,6 +21,7 @@ from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import InvalidRequest, LoRADisabled, PromptTooLong
+from loraplex.models.default_model import cache_root
 from loraplex.runner.model_runner import ModelRunner
 from loraplex.runner.step_outputs import LaunchedStep
 from loraplex.types import (
@@ -69,8 +68,7 @@ class LLMEngine:
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
         shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
-        cache_dir = lora.disk_cache_dir or os.path.join(
-            os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"), "adapters")
+        cache_dir = lora.disk_cache_dir or cache_root() / "adapters"
         return AdapterManager(
             shapes, lora.max_lora_rank, self.runner.dtype,
             HostCache(lora.host_capacity, lora.max_cpu_lora_bytes),
