@@ -71,6 +71,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    swiglu_limit: float | None = None  # activation "swiglu_oai" (gpt-oss) clamps at this
 
     @property
     def q_size(self) -> int:

@@ -6,8 +6,10 @@ read: gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I].
 Checkpoints in that layout load directly; per-expert checkpoints
 (`mlp.experts.E.gate_proj/up_proj/down_proj`; Mixtral's `block_sparse_moe.experts.E.w1/
 w3/w2`) are assembled into it (models/weights.py).
-Adapters on experts are not served yet: their keys fail as modules this model cannot
-adapt.
+
+Adapters: the router is a LoRALinear (router LoRA like any projection); each token's
+adapter on its routed experts comes from the expert slot tensors that
+adapters/slots.py attaches to `Experts` (see ops.MoELoRA for their layout).
 """
 
 from __future__ import annotations
@@ -17,30 +19,58 @@ from torch import nn
 
 from loraplex import ops
 from loraplex.config import ModelConfig
+from loraplex.layers.context import get_forward_context
+from loraplex.layers.linear import LoRALinear
 from loraplex.models.blocks import DecoderLayer, GatedMLP
 from loraplex.models.dense import DenseCausalLM
+from loraplex.ops.metadata import MoELoRA
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, bias: bool = False):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i), False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h), False) if bias else None
+        # Attached by LoRASlotBuffers: [max_loras, E, R_gu, H], [max_loras, E, 2I, R_gu],
+        # [max_loras, E, R_d, I], [max_loras, E, H, R_d]; and the slots whose adapter
+        # adapts these experts (a step whose tokens use none of them skips the LoRA path).
+        self.lora_a_gate_up = self.lora_b_gate_up = None
+        self.lora_a_down = self.lora_b_down = None
+        self.lora_slots: set[int] = set()
+
+    def step_lora(self) -> MoELoRA | None:
+        """This step's adapters on these experts, or None when no token has one."""
+        if not self.lora_slots:
+            return None
+        batch = get_forward_context().lora
+        if batch is None or not batch.active or not any(g.slot in self.lora_slots for g in batch.groups):
+            return None
+        return MoELoRA(self.lora_a_gate_up, self.lora_b_gate_up, self.lora_a_down,
+                       self.lora_b_down, batch.token_slot)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Router (softmax top-k, optionally renormalised) and experts."""
+
+    def __init__(self, cfg: ModelConfig, router_name: str = "gate", bias: bool = False):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.gate.weight.requires_grad_(False)
-        self.experts = Experts(cfg)
+        # The router is named as in the checkpoint (Qwen3-MoE, Mixtral: `gate`).
+        self.router_name = router_name
+        setattr(self, router_name, LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias))
+        self.experts = Experts(cfg, bias=bias)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.activation = cfg.activation
+        self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.fused_moe(x, self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj,
-                             self.top_k, self.renormalize, self.activation)
+        logits = getattr(self, self.router_name)(x)
+        weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        e = self.experts
+        return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
+                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit)
 
 
 class MoEDecoderLayer(DecoderLayer):

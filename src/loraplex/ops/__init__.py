@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from loraplex.ops.metadata import AttentionBatch, LoRABatch
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, MoELoRA
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
 _impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
@@ -132,11 +132,36 @@ def rotary_embedding(
     return _impl.rotary_embedding(q, k, positions, cos_sin)
 
 
-def fused_moe(x: torch.Tensor, router: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-              top_k: int, renormalize: bool, activation: str = "silu") -> torch.Tensor:
-    """Sparse MoE MLP: x [T, H], router [E, H], w_gate_up [E, 2I, H], w_down [E, H, I]
-    -> [T, H]; softmax routing to top_k experts (see ops/reference/moe.py)."""
-    return _impl.fused_moe(x, router, w_gate_up, w_down, top_k, renormalize, activation)
+def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: p = softmax(logits) in float32; the top_k experts per token and their p,
+    divided by their sum if renormalize. logits [T, E] -> (weights float32 [T, k],
+    expert ids int32 [T, k])."""
+    return _impl.route_experts(logits, top_k, renormalize)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    lora: MoELoRA | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
+
+    x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows), b_gate_up [E, 2I];
+    w_down [E, H, I], b_down [E, H]; activation "silu", "gelu_tanh" (act(g) * u) or
+    "swiglu_oai" (gpt-oss: clamped at swiglu_limit, g * sigmoid(1.702 g) * (u + 1)).
+    With `lora`, a token in slot s adds (x A_se^T) B_se^T to gate_up_e's output
+    (before the activation) and (h A'_se^T) B'_se^T to down_e's (before the weight).
+    Returns [T, H] in x's dtype.
+    """
+    return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
+                               b_gate_up, b_down, lora, swiglu_limit)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +177,9 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "AttentionBatch",
     "add_rms_norm",
-    "fused_moe",
+    "fused_experts",
+    "MoELoRA",
+    "route_experts",
     "LoRABatch",
     "backend_name",
     "gelu_tanh_and_mul",

@@ -57,6 +57,21 @@ class LoRABatch:
     cache: dict = field(default_factory=dict, repr=False)
 
 
+@dataclass
+class MoELoRA:
+    """Adapters on the experts of one MoE layer, for one step. Slot s of each tensor
+    holds that adapter's per-expert A and B (scaling folded into B), zero past its rank
+    and for experts (or layers) it does not adapt. The gate_up delta is one matrix per
+    expert: PEFT's fused layout has one A for gate and up; per-expert gate_proj/up_proj
+    pairs stack as A = [A_gate; A_up], B = [[B_gate, 0], [0, B_up]]."""
+
+    a_gate_up: torch.Tensor  # [max_loras, E, R_gu, H]
+    b_gate_up: torch.Tensor  # [max_loras, E, 2I, R_gu]
+    a_down: torch.Tensor  # [max_loras, E, R_d, I]
+    b_down: torch.Tensor  # [max_loras, E, H, R_d]
+    token_slot: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
+
+
 def group_tokens(token_slot: np.ndarray, slot_ranks: list[int], max_loras: int):
     """Token indices ordered by adapter slot, base tokens (-1) last (stable), and the
     groups of that order. Returns (order, groups)."""

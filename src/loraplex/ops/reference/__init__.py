@@ -9,10 +9,11 @@ from loraplex.ops.reference.elementwise import (
     silu_and_mul,
 )
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
-from loraplex.ops.reference.moe import fused_moe
+from loraplex.ops.reference.moe import fused_experts, route_experts
 
 __all__ = [
-    "fused_moe",
+    "fused_experts",
+    "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "lora_expand",

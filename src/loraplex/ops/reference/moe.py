@@ -1,33 +1,79 @@
-"""Mixture-of-experts MLP, plain torch: route, then run each hit expert on its tokens."""
+"""Mixture-of-experts MLP, plain torch: route, then run each hit expert on its tokens,
+with each token's own adapter on its routed experts."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from loraplex.ops.metadata import MoELoRA
 
-def fused_moe(
-    x: torch.Tensor,
-    router: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """x [T, H]; router [E, H]; w_gate_up [E, 2I, H] (gate rows, then up rows);
-    w_down [E, H, I]. Softmax over all experts (float32), the top_k per token, optionally
-    renormalised to sum to 1; out = sum_k p_k * down_e(act(gate_e(x)) * up_e(x))."""
-    probs = F.linear(x, router).float().softmax(-1)
-    weights, experts = probs.topk(top_k, dim=-1)
+SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
+
+
+def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool):
+    """Softmax over all experts (float32), the top_k per token, optionally renormalised
+    to sum to 1 (equal to a softmax over the top_k logits: gpt-oss). Returns (weights
+    float32 [T, k], expert ids int32 [T, k])."""
+    probs = logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights.to(x.dtype)
-    act = {"silu": F.silu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
-    out = torch.zeros_like(x)
-    for e in experts.unique().tolist():
-        tok, k = torch.where(experts == e)
-        gate, up = F.linear(x[tok], w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w_down[e]) * weights[tok, k, None]
-        out.index_add_(0, tok, y)
-    return out
+    return weights, ids.to(torch.int32)
+
+
+def apply_activation(gate_up: torch.Tensor, activation: str, swiglu_limit: float | None = None):
+    """gate_up [..., 2I] (gate columns, then up columns) -> [..., I], in float32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_oai":  # gpt-oss: clamped, (up + 1)
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+        return gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate) * (up + 1)
+    raise ValueError(f"unknown MoE activation {activation!r}")
+
+
+def fused_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    activation: str = "silu",
+    b_gate_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    lora: MoELoRA | None = None,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
+    the adapter delta per (slot, expert) group of those pairs."""
+    t, k = topk_ids.shape
+    out = torch.zeros(t, w_down.shape[1], dtype=torch.float32, device=x.device)
+    slot = lora.token_slot[:t].long() if lora is not None else None
+    for e in topk_ids.unique().tolist():
+        tok, j = torch.where(topk_ids == e)
+        xe = x[tok]
+        gate_up = F.linear(xe, w_gate_up[e], None if b_gate_up is None else b_gate_up[e]).float()
+        if lora is not None:
+            gate_up += _lora_delta(xe, slot[tok], lora.a_gate_up[:, e], lora.b_gate_up[:, e])
+        h = apply_activation(gate_up, activation, swiglu_limit).to(x.dtype)
+        y = F.linear(h, w_down[e], None if b_down is None else b_down[e]).float()
+        if lora is not None:
+            y += _lora_delta(h, slot[tok], lora.a_down[:, e], lora.b_down[:, e])
+        out.index_add_(0, tok, y * topk_weights[tok, j, None].float())
+    return out.to(x.dtype)
+
+
+def _lora_delta(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """sum over rows of x: x @ a[slot].T @ b[slot].T in float32; slot -1 adds nothing.
+    a [L, R, in], b [L, out, R] (zero past each adapter's rank)."""
+    delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float32, device=x.device)
+    for s in slots.unique().tolist():
+        if s < 0:
+            continue
+        rows = slots == s
+        delta[rows] = (x[rows].float() @ a[s].float().T) @ b[s].float().T
+    return delta

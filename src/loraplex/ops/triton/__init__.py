@@ -4,7 +4,7 @@ Same names and signatures as `loraplex.ops.reference`, which is every kernel's o
 Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
-from loraplex.ops.reference.moe import fused_moe  # no Triton MoE kernel yet: plain torch
+from loraplex.ops.reference.moe import fused_experts, route_experts  # no Triton MoE kernel yet
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.kv_cache import write_kv_cache
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
@@ -33,7 +33,8 @@ def lora_expand(buf, lora_b, y, slice_sizes, batch):
 
 
 __all__ = [
-    "fused_moe",
+    "fused_experts",
+    "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "lora_expand",
