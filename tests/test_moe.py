@@ -1,5 +1,7 @@
 """Mixture-of-experts bases (Qwen3-MoE, Mixtral): parity with transformers in both
-checkpoint layouts, attention adapters on an MoE model, and expert adapters refused, not skipped."""
+checkpoint layouts; adapters on attention, router and experts in both PEFT layouts
+(PEFT for one adapter at a time, merged weights for per-expert keys), mixed batches,
+and expert keys that cannot apply refused, never skipped."""
 
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ def test_fused_expert_checkpoint_layout(moe_dir, tmp_path):
         make_llm(fused)
 
 
-def test_attention_adapters_on_moe_and_expert_adapters_refused(moe_dir, tmp_path):
+def test_attention_adapters_on_moe(moe_dir, tmp_path):
     attn = make_peft_adapter(moe_dir, tmp_path / "attn", seed=3, r=4, lora_alpha=8,
                              target_modules=["q_proj", "v_proj", "o_proj"])
     llm = make_llm(moe_dir)
@@ -95,13 +97,110 @@ def test_attention_adapters_on_moe_and_expert_adapters_refused(moe_dir, tmp_path
     for p, out in zip(prompts[1::2], mixed[1::2]):
         torch.testing.assert_close(_prompt_lps(out, p), base.prompt_logprobs(p), atol=tolerance(), rtol=0)
 
-    # An adapter on the experts (per-expert keys) is an error, never silently dropped.
-    experts = tmp_path / "experts"
-    experts.mkdir()
-    (experts / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["gate_proj"]}))
-    save_file({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(2, 64),
-               "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(32, 2)},
-              str(experts / "adapter_model.safetensors"))
-    with pytest.raises(AdapterInvalid, match="experts.0.gate_proj"):
-        llm.generate(prompts[:1], SP, LoRARequest("experts", 2, str(experts)))
+
+@pytest.fixture(scope="module")
+def expert_adapters(moe_dir, tmp_path_factory):
+    """PEFT target_parameters adapters (all experts' gate_up and down, + attention and
+    router; down only) and a per-expert-keys adapter with its merged-weights model."""
+    root = tmp_path_factory.mktemp("expert-adapters")
+    fused = make_peft_adapter(moe_dir, root / "fused", seed=11, r=4, lora_alpha=8, target_modules=["q_proj", "gate"],
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    down = make_peft_adapter(moe_dir, root / "down", seed=12, r=2, lora_alpha=2, use_rslora=True,
+                             target_modules=[], target_parameters=["mlp.experts.down_proj"])
+    per_expert, merged = _per_expert_adapter(moe_dir, root)
+    return dict(fused=fused, down=down, per_expert=per_expert, merged=merged)
+
+
+def _per_expert_adapter(moe_dir, root):
+    """Per-expert keys (gate rank 2, up rank 3, down rank 2; expert 5 of layer 0 left
+    out), and the base checkpoint with each delta W_e + s B_e A_e merged in."""
+    import shutil
+
+    gen = torch.Generator().manual_seed(7)
+    ranks, scale = {"gate_proj": 2, "up_proj": 3, "down_proj": 2}, 1.5
+    tensors = load_file(str(moe_dir / "model.safetensors"))
+    adapter = {}
+    for layer in (0, 2):
+        for e in range(8):
+            if (layer, e) == (0, 5):
+                continue
+            for proj, r in ranks.items():
+                key = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+                w = tensors[f"{key}.weight"]
+                a = torch.randn(r, w.shape[1], generator=gen) * 0.3
+                b = torch.randn(w.shape[0], r, generator=gen) * 0.3
+                adapter[f"base_model.model.{key}.lora_A.weight"] = a
+                adapter[f"base_model.model.{key}.lora_B.weight"] = b
+                tensors[f"{key}.weight"] = w + scale * (b @ a)
+    out = root / "per-expert"
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 3.0, "target_modules": list(ranks),
+        "rank_pattern": {"up_proj": 3}, "alpha_pattern": {"up_proj": 4.5}}))
+    save_file(adapter, str(out / "adapter_model.safetensors"))
+    merged = root / "merged"
+    shutil.copytree(moe_dir, merged)
+    save_file(tensors, str(merged / "model.safetensors"))
+    return out, merged
+
+
+def test_expert_adapters_match_peft_and_merged_weights(moe_dir, expert_adapters):
+    llm = make_llm(moe_dir)
+    prompts = random_prompts(3, (5, 24), seed=8)
+    a = expert_adapters
+    fused, down = LoRARequest("fused", 1, str(a["fused"])), LoRARequest("down", 2, str(a["down"]))
+    per = LoRARequest("per-expert", 3, str(a["per_expert"]))
+    _check_against(HFOracle(moe_dir, a["fused"]), llm, prompts, fused)
+    _check_against(HFOracle(moe_dir, a["down"]), llm, prompts, down)
+    _check_against(HFOracle(a["merged"]), llm, prompts, per)
+
+
+def test_mixed_batch_with_and_without_expert_adapters(moe_dir, expert_adapters, tmp_path):
+    """Expert, attention-only and no adapters in one batch: each as if served alone."""
+    a = expert_adapters
+    attn = make_peft_adapter(moe_dir, tmp_path / "attn", seed=3, r=4, lora_alpha=8, target_modules=["v_proj"])
+    loras = [LoRARequest("fused", 1, str(a["fused"])), LoRARequest("per-expert", 2, str(a["per_expert"])),
+             None, LoRARequest("attn", 3, str(attn)), LoRARequest("down", 4, str(a["down"]))]
+    prompts = random_prompts(len(loras), (5, 24), seed=9)
+    llm = make_llm(moe_dir, max_loras=2)  # slots are reused: later adapters evict earlier ones
+    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, loras)]
+    mixed = make_llm(moe_dir, max_loras=4).generate(prompts, SP, loras)
+    for x, y in zip(alone, mixed):
+        torch.testing.assert_close(_prompt_lps(y, y.prompt_token_ids), _prompt_lps(x, x.prompt_token_ids),
+                                   atol=tolerance(), rtol=0)
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+
+
+def _write_adapter(path, config, tensors):
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+def test_expert_adapter_keys_are_never_skipped(moe_dir, tmp_path):
+    llm = make_llm(moe_dir)
+    pre = "base_model.model.model.layers"
+    cases = {
+        # expert 8 of 8 does not exist
+        "experts.8.gate_proj": ({"r": 2, "lora_alpha": 4},
+                                {f"{pre}.0.mlp.experts.8.gate_proj.lora_A.weight": torch.zeros(2, 64),
+                                 f"{pre}.0.mlp.experts.8.gate_proj.lora_B.weight": torch.zeros(32, 2)}),
+        # fused-layout keys with no target_parameters to say what they adapt
+        "target_parameters": ({"r": 2, "lora_alpha": 4},
+                              {f"{pre}.0.mlp.experts.lora_A.weight": torch.zeros(16, 64),
+                               f"{pre}.0.mlp.experts.lora_B.weight": torch.zeros(64, 16)}),
+        # layer 1 is dense: it has no experts
+        "layers.1.mlp.experts": ({"r": 2, "lora_alpha": 4},
+                                 {f"{pre}.1.mlp.experts.0.down_proj.lora_A.weight": torch.zeros(2, 32),
+                                  f"{pre}.1.mlp.experts.0.down_proj.lora_B.weight": torch.zeros(64, 2)}),
+        # gate_up lora_B of the wrong size
+        "do not fit": ({"r": 2, "lora_alpha": 4, "target_parameters": ["mlp.experts.gate_up_proj"]},
+                       {f"{pre}.0.mlp.experts.lora_A.weight": torch.zeros(16, 64),
+                        f"{pre}.0.mlp.experts.lora_B.weight": torch.zeros(32, 16)}),
+    }
+    for i, (match, (config, tensors)) in enumerate(cases.items()):
+        path = _write_adapter(tmp_path / f"bad{i}", config, tensors)
+        with pytest.raises(AdapterInvalid, match=match):
+            llm.generate([[BOS, 5, 6]], SP, LoRARequest(f"bad{i}", i + 1, path))
+    assert llm.generate([[BOS, 5, 6]], SP)[0].outputs[0].token_ids  # the engine goes on

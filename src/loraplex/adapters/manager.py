@@ -30,7 +30,13 @@ import torch
 
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.manifest import content_id
-from loraplex.adapters.peft import WEIGHTS_FILE, LoRAAdapter, read_adapter_dir, to_canonical
+from loraplex.adapters.peft import (
+    WEIGHTS_FILE,
+    AdapterTargets,
+    LoRAAdapter,
+    read_adapter_dir,
+    to_canonical,
+)
 from loraplex.adapters.pinned_pool import PinnedPool
 from loraplex.adapters.registry import Registry
 from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolve
@@ -67,7 +73,7 @@ class _Load:
 class AdapterManager:
     def __init__(
         self,
-        projections: Mapping[str, tuple[int, int]],
+        targets: AdapterTargets | Mapping[str, tuple[int, int]],
         max_rank: int,
         dtype: torch.dtype,
         host: HostCache,
@@ -76,12 +82,15 @@ class AdapterManager:
         workers: int = 4,
         timeout: float = 120.0,
     ):
-        self.projections, self.max_rank, self.dtype = projections, max_rank, dtype
+        if not isinstance(targets, AdapterTargets):
+            targets = AdapterTargets(targets)
+        self.targets, self.max_rank, self.dtype = targets, max_rank, dtype
         self.host = host
         self.pool = None
         if torch.cuda.is_available():  # one pinned buffer per host adapter and per loader
-            rank_bytes = sum(i + o for i, o in projections.values()) * dtype.itemsize
-            self.pool = PinnedPool(host.capacity + workers, max_rank * rank_bytes + (1 << 20), host.max_bytes)
+            # Sized for dense adapters: expert LoRA is re-laid out into its own buffer anyway.
+            largest = AdapterTargets(targets.projections).max_bytes(max_rank, dtype.itemsize)
+            self.pool = PinnedPool(host.capacity + workers, largest + (1 << 20), host.max_bytes)
             host.on_drop = self._drop
         self.registry = registry
         self.disk_cache = disk_cache
@@ -266,7 +275,7 @@ class AdapterManager:
             if source.content_id is not None and cid != source.content_id:
                 raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")
             adapter = to_canonical(cid, source.name, source.uri, config, tensors,
-                                   self.projections, self.max_rank, self.dtype)
+                                   self.targets, self.max_rank, self.dtype)
             if slab is not None and _lives_in(adapter, slab):
                 adapter.pinned_buffer, slab = slab, None
             elif slab is not None:  # the file did not fit, or was cast to another dtype

@@ -8,7 +8,6 @@ skipped silently: a tensor this model cannot apply is an error.
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.adapters.experts import ExpertLoRA, ExpertShape, canonical_experts, lora_scaling, owner
 from loraplex.adapters.safetensors_io import read_safetensors
 from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
@@ -39,6 +39,8 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     # DoRA: module path -> magnitude vector [out] (float32); empty for plain LoRA.
     magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
+    # MoE: experts module path -> per-expert A/B (adapters/experts.py), model dtype.
+    experts: dict[str, ExpertLoRA] = field(default_factory=dict)
     # The pooled page-locked buffer its tensors live in (returned when it leaves host
     # memory), and the event after the last GPU copy from it.
     pinned_buffer: torch.Tensor | None = None
@@ -47,8 +49,25 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(
-            m.nbytes for m in self.magnitudes.values())
+            m.nbytes for m in self.magnitudes.values()) + sum(
+            t.nbytes for x in self.experts.values() for t in x.tensors())
 
+
+@dataclass(frozen=True)
+class AdapterTargets:
+    """What of a model an adapter may target (models/weights.py `adapter_targets`)."""
+
+    projections: Mapping[str, tuple[int, int]]  # module path -> (in_features, out_features)
+    experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # experts module path
+    renames: Mapping[str, str] = field(default_factory=dict)  # checkpoint path part -> model's
+
+    def max_bytes(self, max_rank: int, itemsize: int) -> int:
+        """The most an adapter of rank <= max_rank can hold in this model's dtype."""
+        dense = sum(i + o for i, o in self.projections.values())
+        experts = sum(x.num_experts * (2 * (x.hidden_size + 2 * x.intermediate_size)
+                                       + x.intermediate_size + x.hidden_size)
+                      for x in self.experts.values())
+        return max_rank * (dense + experts) * itemsize
 
 
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
@@ -91,31 +110,54 @@ def to_canonical(
     path: str,
     config: dict,
     tensors: Mapping[str, torch.Tensor],
-    projections: Mapping[str, tuple[int, int]],
+    targets: AdapterTargets | Mapping[str, tuple[int, int]],
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAAdapter:
     """Validate a PEFT adapter's tensors against the model and fold its scaling into B.
 
-    projections: module path -> (in_features, out_features) of every projection the
-    model can adapt.
+    targets: what the model can adapt (a plain mapping: its projections, no experts).
     """
+    if not isinstance(targets, AdapterTargets):
+        targets = AdapterTargets(targets)
+    projections = targets.projections
     halves: dict[str, dict[str, torch.Tensor]] = {}
+    on_experts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for tensor_name, t in tensors.items():
         m = _KEY.match(tensor_name)
         if m is None:
             raise AdapterInvalid(name, f"unsupported tensor {tensor_name!r}")
         module = m["module"]
+        for old, new in targets.renames.items():
+            module = module.replace(old, new)
+        in_experts = owner(module, targets.experts) if module not in projections else None
+        if in_experts is not None and m["ab"] in "AB":
+            path, rest = in_experts
+            on_experts.setdefault(path, {}).setdefault(rest, {})[m["ab"]] = t
+            continue
         if module not in projections:
             raise AdapterInvalid(name, f"targets {module!r}, which this model cannot adapt")
         halves.setdefault(module, {})[m["ab"][0]] = t
-    if not halves:
+    if not halves and not on_experts:
         raise AdapterInvalid(name, f"{WEIGHTS_FILE} holds no LoRA weights")
 
     use_rslora = bool(config.get("use_rslora", False))
     use_dora = bool(config.get("use_dora", False))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
+
+    def scaling_of(module: str, r: int) -> float:
+        cfg_r = _pattern_value(rank_pattern, module, config.get("r", r))
+        if cfg_r != r:
+            raise AdapterInvalid(name, f"{module}: weights have rank {r}, config says {cfg_r}")
+        return lora_scaling(config, _pattern_value(alpha_pattern, module, config.get("lora_alpha", r)), r)
+
+    if on_experts and use_dora:
+        raise AdapterInvalid(name, "DoRA on experts is not supported")
+    raw_expert_tensors = [t for parts in on_experts.values() for ab in parts.values() for t in ab.values()]
+    if not _all_finite(raw_expert_tensors):
+        raise AdapterInvalid(name, "expert LoRA weights have NaN or infinite values")
+    experts = canonical_experts(name, config, on_experts, targets.experts, scaling_of, max_rank)
     weights, magnitudes = {}, {}
     for module, ab in sorted(halves.items()):
         if not {"A", "B"} <= set(ab):
@@ -134,18 +176,16 @@ def to_canonical(
             )
         if r > max_rank:
             raise AdapterTooLarge(name, f"rank {r} of {module} exceeds max_lora_rank={max_rank}")
-        cfg_r = _pattern_value(rank_pattern, module, config.get("r", r))
-        if cfg_r != r:
-            raise AdapterInvalid(name, f"{module}: weights have rank {r}, config says {cfg_r}")
-        alpha = _pattern_value(alpha_pattern, module, config.get("lora_alpha", r))
-        scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-        weights[module] = (a, b, scaling)
+        weights[module] = (a, b, scaling_of(module, r))
         if use_dora:
             mag = ab["m"].float().reshape(-1)
             if mag.shape != (out_f,) or not torch.isfinite(mag).all():
                 raise AdapterInvalid(name, f"{module}: bad magnitude vector {tuple(ab['m'].shape)}")
             magnitudes[module] = mag.contiguous()
-    rank = max(a.shape[0] for a, _, _ in weights.values())
+    # The dense kernels bound their loops by this; expert slots have their own capacity.
+    rank = max([a.shape[0] for a, _, _ in weights.values()]
+               + [t.shape[1] for x in experts.values() for t in (x.a_gate_up, x.a_down) if t is not None])
+    rank = min(rank, max_rank)
     if not _all_finite([t for a, b, _ in weights.values() for t in (a, b)]):
         bad = next(m for m, (a, b, _) in weights.items() if not _all_finite([a, b]))
         raise AdapterInvalid(name, f"{bad} has NaN or infinite weights")
@@ -160,7 +200,29 @@ def to_canonical(
     for scaling, bs in by_scaling.items():
         torch._foreach_mul_(bs, scaling)
     return LoRAAdapter(key=key, name=name, path=path, rank=rank,
-                       weights={m: (a, b) for m, (a, b, _) in weights.items()}, magnitudes=magnitudes)
+                       weights={m: (a, b) for m, (a, b, _) in weights.items()}, magnitudes=magnitudes,
+                       experts=_experts_in(experts, dtype))
+
+
+def _experts_in(experts: dict[str, ExpertLoRA], dtype: torch.dtype) -> dict[str, ExpertLoRA]:
+    """Expert tensors in the model's dtype, in one (page-locked if CUDA) buffer."""
+    tensors = [t for x in experts.values() for t in x.tensors()]
+    if not tensors:
+        return {}
+    buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=torch.cuda.is_available())
+    out, offset = {}, 0
+    for path, x in experts.items():
+        parts = []
+        for t in (x.a_gate_up, x.b_gate_up, x.a_down, x.b_down):
+            if t is None:
+                parts.append(None)
+                continue
+            view = buf[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            offset += t.numel()
+            parts.append(view)
+        out[path] = ExpertLoRA(*parts)
+    return out
 
 
 def _converted(weights: dict, dtype: torch.dtype) -> dict:
@@ -221,8 +283,6 @@ def _check_config(name: str, config: dict) -> None:
         unsupported(f"modules_to_save {config['modules_to_save']}")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         unsupported("LoRA bias")
-    if config.get("target_parameters"):
-        unsupported(f"target_parameters {config['target_parameters']} on this model")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if value is not None and (not isinstance(value, (int, float)) or value <= 0):

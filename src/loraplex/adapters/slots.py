@@ -7,6 +7,10 @@ per-slot rank tells kernels where the real columns end. Loading an adapter is a 
 into its slot; the base weights are never touched. Columns past an adapter's rank must
 be zero (the reference ops and a projection the adapter does not target read them), so
 a load zeroes exactly what the slot's previous adapter wrote beyond the new one.
+
+MoE experts modules get four more tensors per module, one per expert in every slot
+(layout in ops.MoELoRA); the gate_up rank capacity is 2 x max_rank, as per-expert
+gate_proj/up_proj adapters stack their two ranks there.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import torch
+
+from torch import nn
 
 from loraplex.adapters.peft import LoRAAdapter
 
@@ -34,16 +40,19 @@ class LoRASlotBuffers:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        experts: Mapping[str, nn.Module] | None = None,
     ):
         self.projections = projections
+        self.experts = dict(experts or {})  # experts module path -> models.moe.Experts
         self.max_loras = max_loras
         self.ranks = [0] * max_loras  # rank of the adapter in each slot, 0 = empty
         self._layer_by_id = {id(p.layer): p.layer for p in projections.values()}
         self.layers = list(self._layer_by_id.values())
         self.max_loras = max_loras
         self.dora_slots: set[int] = set()  # slots holding a DoRA adapter
-        # Per slot: (layer id, slice) -> rank of the columns last written there.
-        self._written: list[dict[tuple[int, int], int]] = [{} for _ in range(max_loras)]
+        # Per slot: (layer id, slice) or (experts path, 0 gate_up / 1 down) -> rank of the
+        # columns last written there.
+        self._written: list[dict[tuple, int]] = [{} for _ in range(max_loras)]
         for layer in self.layers:
             n_slices = len(layer.output_sizes)
             layer.lora_a = torch.zeros(
@@ -52,10 +61,16 @@ class LoRASlotBuffers:
             layer.lora_b = torch.zeros(
                 max_loras, sum(layer.output_sizes), max_rank, dtype=dtype, device=device
             )
+        for x in self.experts.values():
+            e, h, i = x.num_experts, x.hidden_size, x.intermediate_size
+            zeros = lambda *shape: torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)  # noqa: E731
+            x.lora_a_gate_up, x.lora_b_gate_up = zeros(2 * max_rank, h), zeros(2 * i, 2 * max_rank)
+            x.lora_a_down, x.lora_b_down = zeros(max_rank, i), zeros(h, max_rank)
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers)
+        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers) + sum(
+            t.nbytes for x in self.experts.values() for t in _expert_slots(x))
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot` (asynchronously from pinned memory, on the current
@@ -67,10 +82,29 @@ class LoRASlotBuffers:
             layer.lora_a[proj.slice, slot, :r].copy_(a, non_blocking=True)
             layer.lora_b[slot, layer.slice_rows(proj.slice), :r].copy_(b, non_blocking=True)
             written[(id(layer), proj.slice)] = r
-        for (layer_id, i), old_r in self._written[slot].items():
-            r = written.get((layer_id, i), 0)
-            if old_r > r:
-                layer = self._layer_by_id[layer_id]
+        for path, x in self.experts.items():
+            ex = adapter.experts.get(path)
+            if ex is None:
+                x.lora_slots.discard(slot)
+                continue
+            x.lora_slots.add(slot)
+            for i, (a, b, sa, sb) in enumerate(((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
+                                                (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))):
+                if a is not None:
+                    r = a.shape[1]
+                    sa[slot, :, :r].copy_(a, non_blocking=True)
+                    sb[slot, :, :, :r].copy_(b, non_blocking=True)
+                    written[(path, i)] = r
+        for (owner, i), old_r in self._written[slot].items():
+            r = written.get((owner, i), 0)
+            if old_r <= r:
+                continue
+            if owner in self.experts:
+                sa, sb = _expert_slots(self.experts[owner])[2 * i : 2 * i + 2]
+                sa[slot, :, r:old_r].zero_()
+                sb[slot, :, :, r:old_r].zero_()
+            else:
+                layer = self._layer_by_id[owner]
                 layer.lora_a[i, slot, r:old_r].zero_()
                 layer.lora_b[slot, layer.slice_rows(i), r:old_r].zero_()
         self._written[slot] = written
@@ -107,9 +141,17 @@ class LoRASlotBuffers:
         for layer in self.layers:
             layer.lora_a[:, slot].zero_()
             layer.lora_b[slot].zero_()
+        for x in self.experts.values():
+            for t in _expert_slots(x):
+                t[slot].zero_()
+            x.lora_slots.discard(slot)
         self._written[slot] = {}
         self.ranks[slot] = 0
         for layer in self.layers:
             if layer.lora_scale is not None:
                 layer.lora_scale[slot] = 1.0
         self.dora_slots.discard(slot)
+
+
+def _expert_slots(x: nn.Module) -> tuple[torch.Tensor, ...]:
+    return x.lora_a_gate_up, x.lora_b_gate_up, x.lora_a_down, x.lora_b_down

@@ -67,10 +67,9 @@ class LLMEngine:
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
-        shapes = {k: (p.in_features, p.out_features) for k, p in self.runner.projections.items()}
         cache_dir = lora.disk_cache_dir or cache_root() / "adapters"
         return AdapterManager(
-            shapes, lora.max_lora_rank, self.runner.dtype,
+            self.runner.adapter_targets, lora.max_lora_rank, self.runner.dtype,
             HostCache(lora.host_capacity, lora.max_cpu_lora_bytes),
             registry=Registry(lora.registry) if lora.registry else None,
             disk_cache=DiskCache(cache_dir, lora.disk_cache_bytes),

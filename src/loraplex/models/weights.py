@@ -17,6 +17,8 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from loraplex.adapters.experts import ExpertShape
+from loraplex.adapters.peft import AdapterTargets
 from loraplex.errors import ModelLoadError
 from loraplex.layers.linear import LoRALinear
 
@@ -55,6 +57,22 @@ def projection_index(model: nn.Module) -> dict[str, Projection]:
     return index
 
 
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Path -> experts module (models.moe.Experts: fused 3D expert weights)."""
+    return {path: m for path, m in model.named_modules() if hasattr(m, "lora_slots")}
+
+
+def adapter_targets(model: nn.Module) -> AdapterTargets:
+    """Everything of `model` an adapter may target, as the adapter loader checks it."""
+    interleaved = getattr(model, "checkpoint_gate_up_interleaved", False)
+    return AdapterTargets(
+        projections={k: (p.in_features, p.out_features) for k, p in projection_index(model).items()},
+        experts={path: ExpertShape(m.num_experts, m.hidden_size, m.intermediate_size, interleaved)
+                 for path, m in expert_modules(model).items()},
+        renames=dict(getattr(model, "checkpoint_renames", {})),
+    )
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -66,7 +84,11 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool) -> None:
-    """Copy every checkpoint tensor into `model`; fail on missing or unexpected names."""
+    """Copy every checkpoint tensor into `model`; fail on missing or unexpected names.
+
+    A model class may declare `checkpoint_renames` (old -> new name substrings) and a
+    `checkpoint_transform(name, tensor) -> tensor` (after renames) for tensors stored in
+    another layout than its own."""
     index = projection_index(model)
     params = dict(model.named_parameters())
     expected = {f"{p.layer_path}.weight#{p.slice}" for p in index.values()}
@@ -82,6 +104,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     names = [(h, n) for h in handles for n in h.keys()]
     renames = getattr(model, "checkpoint_renames", {})
+    transform = getattr(model, "checkpoint_transform", None)
     for handle, ckpt_name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
         name = ckpt_name
         for old, new in renames.items():
@@ -90,6 +113,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
             continue
         tensor = handle.get_tensor(ckpt_name)
+        if transform is not None:
+            tensor = transform(name, tensor)
         expert = _EXPERT.match(name)
         if expert is not None and f"{expert['experts']}.gate_up_proj" in params:
             fused, dest = _expert_slice(params, expert)
@@ -133,7 +158,7 @@ def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
 
 def init_dummy(model: nn.Module, std: float, seed: int) -> None:
     """Random weights at trained scale: matrices N(0, std), norms 1 (Gemma's (1 + w)
-    norms 0), biases 0."""
+    norms 0), biases and attention sinks 0."""
     zero = {id(m.weight) for m in model.modules() if getattr(m, "unit_offset", False)}
     gen = None
     for name, p in model.named_parameters():
@@ -141,7 +166,7 @@ def init_dummy(model: nn.Module, std: float, seed: int) -> None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
         if p.dim() >= 2:
             p.data.normal_(0.0, std, generator=gen)
-        elif name.endswith("bias") or id(p) in zero:
+        elif name.endswith(("bias", "sinks")) or id(p) in zero:
             p.data.zero_()
         else:
             p.data.fill_(1.0)

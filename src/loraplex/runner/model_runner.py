@@ -21,7 +21,13 @@ from loraplex.device import to_device
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.models.registry import build_model
-from loraplex.models.weights import init_dummy, load_safetensors, projection_index
+from loraplex.models.weights import (
+    adapter_targets,
+    expert_modules,
+    init_dummy,
+    load_safetensors,
+    projection_index,
+)
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import DecodeGraphs
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
@@ -46,9 +52,11 @@ class ModelRunner:
         self.adapters: AdapterManager | None = None
         self.model = self._load_model()
         self.projections = projection_index(self.model)
+        self.adapter_targets = adapter_targets(self.model)
         lora = config.lora
         self.lora_slots = (
-            LoRASlotBuffers(self.projections, lora.max_loras, lora.max_lora_rank, self.dtype, self.device)
+            LoRASlotBuffers(self.projections, lora.max_loras, lora.max_lora_rank, self.dtype, self.device,
+                            expert_modules(self.model))
             if lora.enabled
             else None
         )
