@@ -204,3 +204,23 @@ def test_expert_adapter_keys_are_never_skipped(moe_dir, tmp_path):
         with pytest.raises(AdapterInvalid, match=match):
             llm.generate([[BOS, 5, 6]], SP, LoRARequest(f"bad{i}", i + 1, path))
     assert llm.generate([[BOS, 5, 6]], SP)[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_bench_with_expert_adapters_reports_experts_touched(moe_dir, tmp_path, capsys):
+    """`loraplex bench` writes random adapters on attention and every expert (PEFT
+    target_parameters layout) and reports how many experts a decode step touches."""
+    from loraplex.entrypoints.cli import main as cli
+
+    out = tmp_path / "result.json"
+    code = cli(["bench", "--model", str(moe_dir), "--num-prompts", "6", "--input-len", "10",
+                "--output-len", "5", "--max-concurrency", "3", "--num-adapters", "0", "3",
+                "--lora-rank", "4", "--lora-targets", "q_proj", "experts", "--dtype", "float32",
+                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out)])
+    assert code == 0
+    assert "distinct experts per MoE layer" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r["num_requests"] - r["num_failed"] for r in rows] == [6, 6]
+    for r in rows:  # 3 sequences x top-2 over 8 experts: 2 to 6 distinct per layer
+        assert 2 <= r["extra"]["moe_experts_per_layer_decode"] <= 6
+    config = json.loads(next((tmp_path / "cache").rglob("adapter_config.json")).read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-registry", action="store_true",
                    help="publish the adapters to a registry (hard links) and request them by name")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS))
+    p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS),
+                   help="module names; 'experts' adds every expert's gate_up and down (MoE)")
     p.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: max K)")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -83,6 +84,9 @@ def main(args: argparse.Namespace) -> int:
             load = r.extra.get("adapter_load_ms", {})
             print(f"{r.label}: adapter tiers {r.extra['adapter_tiers']}, load ms median "
                   f"{load.get('median', 0):.1f} p99 {load.get('p99', 0):.1f}")
+        if "moe_experts_per_layer_decode" in r.extra:
+            print(f"{r.label}: a decode step touches {r.extra['moe_experts_per_layer_decode']:.1f} "
+                  "distinct experts per MoE layer (mean)")
     if args.result_json:
         Path(args.result_json).write_text(to_json(results))
     if args.plot:
@@ -130,13 +134,14 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
                                        d, args.seed) for k, d in _runs(args)}
     adapters, warm = [], []
     if max_k:
-        shapes = {k: (p.in_features, p.out_features) for k, p in engine.runner.projections.items()}
+        shapes = dict(engine.runner.adapter_targets.projections)
+        experts = dict(engine.runner.adapter_targets.experts)
         t0 = time.perf_counter()
         used = sorted({r.adapter for reqs in workloads.values() for r in reqs if r.adapter is not None})
         used = used if args.cold_adapters else range(max_k)
         paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
                                  projections=shapes, indices=list(used), rank=args.lora_rank,
-                                 targets=tuple(args.lora_targets))
+                                 targets=tuple(args.lora_targets), experts=experts)
         if registry:
             _publish(registry, {f"bench-adapter-{i}": p for i, p in paths.items()})
         adapters = [LoRARequest(f"bench-adapter-{i}", i + 1, "" if registry else str(paths[i]))
@@ -145,7 +150,8 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
             n = min(max_loras, max_k)
             warm_paths = prepare_adapters(cache_dir=Path(args.cache_dir), model_name=Path(model_dir).name,
                                           projections=shapes, indices=list(range(10**6, 10**6 + n)),
-                                          rank=args.lora_rank, targets=tuple(args.lora_targets))
+                                          rank=args.lora_rank, targets=tuple(args.lora_targets),
+                                          experts=experts)
             if registry:
                 _publish(registry, {f"warm-{i}": p for i, p in warm_paths.items()})
             warm = [LoRARequest(f"warm-{i}", 10**6 + i, "" if registry else str(p))
@@ -160,6 +166,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     results = []
     for (k, dist), reqs in workloads.items():
         steps_before = engine.num_steps
+        engine.runner.measure_moe_routing()
         records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats()}
         results.append(summarize(_label(args, k, dist), records, extra))

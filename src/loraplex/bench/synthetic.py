@@ -5,10 +5,13 @@ token i (so a prompt of N words is exactly N tokens), and random PEFT LoRA adapt
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from loraplex.adapters.experts import ExpertShape
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -65,11 +68,22 @@ def write_random_adapter(
     b_std: float = 1e-2,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    experts: Mapping[str, ExpertShape] | None = None,
 ) -> Path:
     """Write a PEFT LoRA adapter with random A and B for every projection whose name is
-    in `targets`. projections: module path -> (in_features, out_features)."""
+    in `targets`. projections: module path -> (in_features, out_features). With
+    "experts" in `targets`, also every expert's gate_up and down projections of each
+    experts module in `experts`, in PEFT's target_parameters layout."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    for module, x in sorted((experts or {}).items()) if "experts" in targets else ():
+        e, h, i = x.num_experts, x.hidden_size, x.intermediate_size
+        for key, (in_f, out_f) in ((f"{module}.base_layer", (h, 2 * i)), (module, (i, h))):
+            prefix = f"base_model.model.{key}"
+            a = torch.randn(e * rank, in_f, generator=gen) / in_f**0.5
+            b = torch.randn(out_f, e * rank, generator=gen) * b_std
+            tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
     for module, (in_f, out_f) in sorted(projections.items()):
         if module.rsplit(".", 1)[-1] not in targets:
             continue
@@ -85,11 +99,13 @@ def write_random_adapter(
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": alpha if alpha is not None else 2 * rank,
-        "target_modules": sorted(targets),
+        "target_modules": sorted(t for t in targets if t != "experts"),
         "use_rslora": use_rslora,
         "bias": "none",
         "lora_dropout": 0.0,
         "task_type": "CAUSAL_LM",
     }
+    if "experts" in targets and experts:
+        config["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out

@@ -69,7 +69,7 @@ def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
 
 def prepare_adapters(
     cache_dir: Path, model_name: str, projections: dict[str, tuple[int, int]], indices: list[int],
-    rank: int, targets: tuple[str, ...] = LINEAR_TARGETS,
+    rank: int, targets: tuple[str, ...] = LINEAR_TARGETS, experts: dict | None = None,
 ) -> dict[int, Path]:
     """Random bf16 PEFT adapters number `indices` (A ~ N(0, 1/in), B ~ N(0, 1e-4); adapter
     i is seeded by i), cached on disk."""
@@ -82,6 +82,7 @@ def prepare_adapters(
     missing = [i for i, p in paths.items() if not (p / "adapter_model.safetensors").is_file()]
     with ThreadPoolExecutor(8) as pool:  # torch and safetensors release the GIL
         list(pool.map(lambda i: write_random_adapter(paths[i], projections, rank, targets=targets,
-                                                     b_std=1e-4, seed=i, dtype=torch.bfloat16),
+                                                     b_std=1e-4, seed=i, dtype=torch.bfloat16,
+                                                     experts=experts),
                       missing))
     return paths

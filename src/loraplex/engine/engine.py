@@ -185,6 +185,9 @@ class LLMEngine:
             out["adapter_host_evictions"] = self.adapters.host.num_evictions
             out["adapters_loading"] = self.adapters.num_loading
             out["adapters_in_host"] = len(self.adapters.host)
+        experts = self.runner.moe_experts_per_layer()
+        if experts is not None:
+            out["moe_experts_per_layer_decode"] = experts
         return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

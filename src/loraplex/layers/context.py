@@ -20,6 +20,9 @@ class ForwardContext:
     lora: LoRABatch | None  # None: no token of this step uses an adapter
     # A second CUDA stream on which LoRA shrink overlaps the base matmul (None: serial).
     aux_stream: torch.cuda.Stream | None = None
+    # Decode steps, when measured: MoE layers add (distinct experts hit, 1) into this
+    # device tensor [2], without a host sync (benchmarks report the mean per layer).
+    moe_stats: torch.Tensor | None = None
 
 
 _current: ForwardContext | None = None

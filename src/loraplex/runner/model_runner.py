@@ -86,6 +86,9 @@ class ModelRunner:
             # (benchmarks/gemm_probe.py); serving throughput +2%. Process-wide setting.
             torch.backends.cuda.preferred_blas_library("cublaslt")
         self._slot_last_read: dict[int, torch.cuda.Event] = {}
+        # MoE: (distinct experts hit, layer-steps) summed over decode steps, once enabled
+        # by measure_moe_routing() (a few small kernels per layer).
+        self.moe_stats: torch.Tensor | None = None
         self.num_blocks = self._allocate_kv_cache()
         # The MoE op routes on the host (plain torch until a fused kernel exists): no graphs.
         if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
@@ -96,6 +99,18 @@ class ModelRunner:
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
+
+    def measure_moe_routing(self) -> None:
+        """Start counting the distinct experts each decode step routes to, per layer."""
+        if self.config.model.moe_layers:
+            self.moe_stats = torch.zeros(2, dtype=torch.float32, device=self.device)
+
+    def moe_experts_per_layer(self) -> float | None:
+        """Mean distinct experts per MoE layer per decode step since measuring began."""
+        if self.moe_stats is None:
+            return None
+        hits, n = self.moe_stats.tolist()
+        return hits / n if n else None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -225,7 +240,9 @@ class ModelRunner:
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size, inputs.lora is not None)
         else:
-            ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=self.aux_stream)
+            decode = inputs.attn.max_query_len == 1
+            ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=self.aux_stream,
+                                 moe_stats=self.moe_stats if decode else None)
             with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
