@@ -126,7 +126,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         max_cpu_lora_bytes=int(args.max_cpu_lora_memory * 2**30) if args.max_cpu_lora_memory else None,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, measure_moe_routing=True,
     )
     engine = llm.engine
     vocab = llm.config.model.vocab_size
@@ -166,7 +166,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     results = []
     for (k, dist), reqs in workloads.items():
         steps_before = engine.num_steps
-        engine.runner.measure_moe_routing()
+        engine.runner.reset_moe_routing_stats()
         records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats()}
         results.append(summarize(_label(args, k, dist), records, extra))

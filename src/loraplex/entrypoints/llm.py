@@ -65,6 +65,7 @@ class LLM:
         ops_backend: str = "auto",
         enforce_eager: bool = False,
         async_scheduling: bool = True,
+        measure_moe_routing: bool = False,
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
@@ -85,6 +86,7 @@ class LLM:
             load_format="dummy" if load_format == "dummy" else "auto",
             ops_backend=_resolve_backend(ops_backend, device),
             enforce_eager=enforce_eager,
+            measure_moe_routing=measure_moe_routing,
             cache=CacheConfig(
                 block_size=block_size,
                 gpu_memory_utilization=gpu_memory_utilization,

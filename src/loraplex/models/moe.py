@@ -43,11 +43,16 @@ class Experts(nn.Module):
         self.lora_slots: set[int] = set()
 
     def step_lora(self) -> MoELoRA | None:
-        """This step's adapters on these experts, or None when no token has one."""
-        if not self.lora_slots:
+        """This step's adapters on these experts, or None when no token has one. A CUDA
+        graph is captured before any adapter loads and replayed for any mix: its adapter
+        variant always runs the expert LoRA kernels (slots without expert weights are zero)."""
+        if self.lora_a_gate_up is None:
             return None
         batch = get_forward_context().lora
-        if batch is None or not batch.active or not any(g.slot in self.lora_slots for g in batch.groups):
+        if batch is None or not batch.active:
+            return None
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing and not any(g.slot in self.lora_slots for g in batch.groups):
             return None
         return MoELoRA(self.lora_a_gate_up, self.lora_b_gate_up, self.lora_a_down,
                        self.lora_b_down, batch.token_slot)

@@ -31,8 +31,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
-                 with_lora: bool, aux_stream: torch.cuda.Stream | None = None):
+                 with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
+                 moe_stats: torch.Tensor | None = None):
         self.model = model
+        self.moe_stats = moe_stats
         self.aux_stream = aux_stream
         self.inputs = inputs
         self.sizes = graph_batch_sizes(max_batch)
@@ -46,7 +48,8 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
             for lora in self.lora_variants:
                 step = self.inputs.graph_inputs(size, lora)
-                ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=self.aux_stream)
+                ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=self.aux_stream,
+                                     moe_stats=self.moe_stats)
                 with forward_context(ctx):
                     self.model(step.input_ids, step.positions)  # compile kernels, warm up
                     torch.cuda.synchronize()

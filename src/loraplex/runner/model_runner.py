@@ -86,24 +86,21 @@ class ModelRunner:
             # (benchmarks/gemm_probe.py); serving throughput +2%. Process-wide setting.
             torch.backends.cuda.preferred_blas_library("cublaslt")
         self._slot_last_read: dict[int, torch.cuda.Event] = {}
-        # MoE: (distinct experts hit, layer-steps) summed over decode steps, once enabled
-        # by measure_moe_routing() (a few small kernels per layer).
-        self.moe_stats: torch.Tensor | None = None
+        # MoE: (distinct experts hit, layer-steps) summed over decode steps, when measured.
+        self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
+                          if config.measure_moe_routing and config.model.moe_layers else None)
         self.num_blocks = self._allocate_kv_cache()
-        # The MoE op routes on the host (plain torch until a fused kernel exists): no graphs.
-        if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
-                and not config.model.moe_layers):
+        if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None,
-                self.aux_stream,
+                self.aux_stream, self.moe_stats,
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
 
-    def measure_moe_routing(self) -> None:
-        """Start counting the distinct experts each decode step routes to, per layer."""
-        if self.config.model.moe_layers:
-            self.moe_stats = torch.zeros(2, dtype=torch.float32, device=self.device)
+    def reset_moe_routing_stats(self) -> None:
+        if self.moe_stats is not None:
+            self.moe_stats.zero_()  # in place: captured graphs add into this tensor
 
     def moe_experts_per_layer(self) -> float | None:
         """Mean distinct experts per MoE layer per decode step since measuring began."""
