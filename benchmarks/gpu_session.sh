@@ -27,5 +27,19 @@ for step in $STEPS; do
         --num-prompts ${PROMPTS:-512} --max-concurrency 32 --input-len 512 --output-len 128 \
         --cache-dir /tmp/lp --result-json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
         | grep -v "it/s" > "$OUT/bench.txt"; tail -6 "$OUT/bench.txt" ;;
+    moe-tests)
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -x -q \
+        -p no:cacheprovider tests/test_moe_ops.py tests/test_moe.py tests/test_gpt_oss.py tests/test_ops.py \
+        2>&1 | tail -25 > "$OUT/moe-tests.log"; tail -5 "$OUT/moe-tests.log" ;;
+    qwen3-moe)  # issue targets: 16 in flight, 1600 in / 600 out, 16 adapters on attention + experts
+      timeout 560 python3 -m loraplex.entrypoints.cli bench --model qwen3-30b-a3b --num-adapters 0 16 \
+        --lora-targets q_proj k_proj v_proj o_proj experts --num-prompts ${PROMPTS:-32} \
+        --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir /tmp/lp \
+        --result-json "$OUT/qwen3-moe.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-moe.txt"; tail -8 "$OUT/qwen3-moe.txt" ;;
+    gpt-oss)
+      timeout 560 python3 -m loraplex.entrypoints.cli bench --model gpt-oss-20b --num-adapters 0 16 \
+        --lora-targets q_proj k_proj v_proj o_proj experts --num-prompts ${PROMPTS:-32} \
+        --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir /tmp/lp \
+        --result-json "$OUT/gpt-oss.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss.txt"; tail -8 "$OUT/gpt-oss.txt" ;;
   esac
 done

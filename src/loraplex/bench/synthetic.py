@@ -74,24 +74,27 @@ def write_random_adapter(
     in `targets`. projections: module path -> (in_features, out_features). With
     "experts" in `targets`, also every expert's gate_up and down projections of each
     experts module in `experts`, in PEFT's target_parameters layout."""
-    gen = torch.Generator().manual_seed(seed)
+    # On a GPU when there is one: MoE adapters hold billions of values (one tensor at a
+    # time, so the device needs little free memory).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
     tensors = {}
     for module, x in sorted((experts or {}).items()) if "experts" in targets else ():
         e, h, i = x.num_experts, x.hidden_size, x.intermediate_size
         for key, (in_f, out_f) in ((f"{module}.base_layer", (h, 2 * i)), (module, (i, h))):
             prefix = f"base_model.model.{key}"
-            a = torch.randn(e * rank, in_f, generator=gen) / in_f**0.5
-            b = torch.randn(out_f, e * rank, generator=gen) * b_std
-            tensors[f"{prefix}.lora_A.weight"] = a.to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = b.to(dtype)
+            tensors[f"{prefix}.lora_A.weight"] = (randn(e * rank, in_f) / in_f**0.5).to(dtype).cpu()
+            tensors[f"{prefix}.lora_B.weight"] = (randn(out_f, e * rank) * b_std).to(dtype).cpu()
     for module, (in_f, out_f) in sorted(projections.items()):
         if module.rsplit(".", 1)[-1] not in targets:
             continue
         prefix = f"base_model.model.{module}"
-        a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
-        b = torch.randn(out_f, rank, generator=gen) * b_std
-        tensors[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
-        tensors[f"{prefix}.lora_B.weight"] = b.to(dtype).contiguous()
+        tensors[f"{prefix}.lora_A.weight"] = (randn(rank, in_f) / in_f**0.5).to(dtype).cpu()
+        tensors[f"{prefix}.lora_B.weight"] = (randn(out_f, rank) * b_std).to(dtype).cpu()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
