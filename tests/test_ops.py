@@ -109,8 +109,9 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid,
     assert torch.equal(y.cpu()[base], y0[base]), "tokens without an adapter must not change"
 
 
-def naive_attention(q, k, v, scale, window):
-    """q [n, Hq, D] at the last n of L positions; k, v [L, Hkv, D]."""
+def naive_attention(q, k, v, scale, window, sinks=None):
+    """q [n, Hq, D] at the last n of L positions; k, v [L, Hkv, D]; sinks [Hq]: one more
+    softmax logit per head, without a value."""
     n, num_heads, _ = q.shape
     length, num_kv = k.shape[:2]
     group = num_heads // num_kv
@@ -120,17 +121,21 @@ def naive_attention(q, k, v, scale, window):
         visible = [j for j in range(length) if j <= p and (window is None or j > p - window)]
         for h in range(num_heads):
             kk, vv = k[visible, h // group].double(), v[visible, h // group].double()
-            w = torch.softmax(scale * kk @ q[i, h].double(), dim=0)
+            scores = scale * kk @ q[i, h].double()
+            if sinks is not None:
+                scores = torch.cat((scores, sinks[h : h + 1].double()))
+            w = torch.softmax(scores, dim=0)[: len(visible)]
             out[i, h] = w @ vv
     return out
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention(backend, window, dtype):
+def test_paged_attention(backend, window, dtype, sinks):
     # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix.
     seqs = [(0, 1), (9, 1), (0, 7), (5, 6), (12, 1), (3, 13)]
-    check_paged_attention(seqs, window, dtype, num_heads=6, num_kv=2, head_dim=8)
+    check_paged_attention(seqs, window, dtype, num_heads=6, num_kv=2, head_dim=8, sinks=sinks)
 
 
 # (GQA group, head_dim, window, MAX_SPLITS): 2 splits make a program cover several partitions.
@@ -138,9 +143,10 @@ DECODE_SHAPES = [(1, 64, None, 64), (4, 128, None, 64), (8, 80, None, 2), (4, 64
                  (8, 128, 40, 64), (1, 80, 37, 2)]
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("group,head_dim,window,max_splits", DECODE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_splits, dtype):
+def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_splits, dtype, sinks):
     """Decode batches through the split-KV kernels, with 16-token partitions so that small
     contexts split: shorter than, equal to and several partitions long, mixed in one
     batch, beside padding sequences in a table as wide as a CUDA graph's."""
@@ -150,16 +156,17 @@ def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_s
     monkeypatch.setattr(paged_decode, "MAX_SPLITS", max_splits)
     seqs = [(4, 1), (15, 1), (0, 1), (70, 1), (31, 1), (47, 1), None, None]
     batch = check_paged_attention(seqs, window, dtype, num_heads=2 * group, num_kv=2,
-                                  head_dim=head_dim, table_width=30)
+                                  head_dim=head_dim, table_width=30, sinks=sinks)
     splits = paged_decode.num_splits(batch, 4, 2, window)
     assert splits == min(max_splits, math.ceil(min(30 * 4, (window or 999) + 15) / 16)) > 1
 
 
 def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, block_size=4,
-                          table_width=None) -> AttentionBatch:
+                          table_width=None, sinks=False) -> AttentionBatch:
     """Write each sequence's new keys/values into scattered pages, run paged_attention,
     compare every sequence with the naive loop. seqs: (cached tokens, new tokens), or
-    None for a CUDA graph's padding sequence (one token, no context, no KV slot)."""
+    None for a CUDA graph's padding sequence (one token, no context, no KV slot). sinks:
+    random per-head sink logits (gpt-oss), large enough to take much of each softmax."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil(sum(s) / block_size) for s in seqs if s) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
@@ -181,6 +188,7 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
     k_new = torch.randn(num_tokens, num_kv, head_dim, generator=gen)
     v_new = torch.randn(num_tokens, num_kv, head_dim, generator=gen)
     q, k_new, v_new, k_cache, v_cache = (t.to(dtype) for t in (q, k_new, v_new, k_cache, v_cache))
+    sink = 2 * torch.randn(num_heads, generator=gen) if sinks else None
 
     dev = dict(device=DEVICE)
     batch = AttentionBatch(
@@ -196,7 +204,8 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
     kc, vc = k_cache.clone().to(**dev), v_cache.clone().to(**dev)
     ops.write_kv_cache(k_new.to(**dev), v_new.to(**dev), kc, vc, batch.slot_mapping)
     scale = head_dim**-0.5
-    out = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window).cpu()
+    out = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window,
+                              None if sink is None else sink.to(**dev)).cpu()
 
     flat_k = kc.cpu().view(-1, num_kv, head_dim)
     flat_v = vc.cpu().view(-1, num_kv, head_dim)
@@ -209,7 +218,7 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
                 assert torch.equal(out[rows], torch.zeros_like(out[rows])), b
             continue
         slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(length)]
-        ref = naive_attention(q[rows], flat_k[slots], flat_v[slots], scale, window)
+        ref = naive_attention(q[rows], flat_k[slots], flat_v[slots], scale, window, sink)
         err = (out[rows].double() - ref).norm() / ref.norm()
         assert err <= REL_TOL[dtype], (b, err)
     return batch

@@ -13,7 +13,9 @@ from typing import Any
 from loraplex.errors import UnsupportedModel
 
 # Hugging Face architecture name -> facts the shared decoder blocks need.
-# qkv_bias / o_bias: None means "read config.attention_bias".
+# qkv_bias / o_bias: None means "read config.attention_bias"; activation: the experts'
+# activation whatever hidden_act says; norm_topk_prob, swiglu_limit: defaults for configs
+# without them.
 _ARCHS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False),
     "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
@@ -22,13 +24,20 @@ _ARCHS: dict[str, dict[str, Any]] = {
     # Qwen3's attention; sparse MoE MLPs (softmax router, top-k, optional renormalisation).
     "Qwen3MoeForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, moe=True),
     # Mistral's attention; every MLP sparse, top-2 always renormalised.
-    "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=True),
+    "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=True,
+                               norm_topk_prob=True),
     # Gemma 3: (1 + w) norms, four per block, GELU-tanh, scaled embeddings, q/k norm,
     # interleaved sliding-window and global layers with their own rope bases.
     "Gemma3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, gemma=True),
+    # gpt-oss: biased attention with per-head sinks, alternating sliding/full layers, YaRN;
+    # every MLP sparse, biased router and experts, softmax over the top-k logits (=
+    # renormalised top-k), clamped SwiGLU (hidden_act says "silu" but is unused).
+    "GptOssForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False, moe=True,
+                              norm_topk_prob=True, activation="swiglu_oai", sinks=True,
+                              swiglu_limit=7.0),  # transformers 5.17 hard-codes 7, saves none
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -72,6 +81,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     swiglu_limit: float | None = None  # activation "swiglu_oai" (gpt-oss) clamps at this
+    # gpt-oss: a learned logit per query head that joins every softmax denominator
+    # (attention may go "nowhere"); checkpoints hold it as self_attn.sinks [num_heads].
+    attention_sinks: bool = False
 
     @property
     def q_size(self) -> int:
@@ -97,10 +109,16 @@ class ModelConfig:
             )
         facts = _ARCHS[arch]
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
-        if act not in _ACTIVATIONS:
+        if "activation" not in facts and act not in _ACTIVATIONS:
             raise UnsupportedModel(f"{arch}: activation {act!r} is not supported")
         if getattr(hf, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModel(f"{arch}: attention logit soft-capping is not supported")
+        quant = getattr(hf, "quantization_config", None)
+        if quant:  # e.g. gpt-oss's MXFP4 experts: their tensors would not load
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise UnsupportedModel(f"{arch}: quantized checkpoints ({method}) are not supported")
+        if getattr(hf, "swiglu_alpha", 1.702) != 1.702:  # the constant ops use for swiglu_oai
+            raise UnsupportedModel(f"{arch}: swiglu_alpha {hf.swiglu_alpha} is not supported")
         attention_bias = bool(getattr(hf, "attention_bias", False))
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         n_layers = hf.num_hidden_layers
@@ -127,7 +145,8 @@ class ModelConfig:
                                  if experts > 0 and i not in dense and (i + 1) % step == 0),
                 num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
                 moe_intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
-                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", arch == "MixtralForCausalLM")),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.get("norm_topk_prob", False))),
+                swiglu_limit=getattr(hf, "swiglu_limit", facts.get("swiglu_limit")),
             )
         return cls(
             architecture=arch,
@@ -151,11 +170,12 @@ class ModelConfig:
             dtype=str(dtype).removeprefix("torch."),
             initializer_range=float(getattr(hf, "initializer_range", 0.02)),
             eos_token_ids=eos_ids,
-            activation=_ACTIVATIONS[act],
+            activation=facts.get("activation") or _ACTIVATIONS[act],
             attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar else None,
             gemma_norms=gemma,
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+            attention_sinks=facts.get("sinks", False),
             **moe,
         )
 
@@ -174,6 +194,8 @@ def _rope_by_layer_type(arch: str, hf, layer_types: set[str]) -> dict[str, dict[
             raise UnsupportedModel(f"{arch}: rope_type {kind!r} is not supported")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModel(f"{arch}: partial rotary embeddings are not supported")
+        if kind == "yarn" and rope.get("factor") is None:  # as transformers infers it
+            rope["factor"] = hf.max_position_embeddings / rope["original_max_position_embeddings"]
         out[layer_type] = rope
     return out
 
@@ -255,6 +277,9 @@ class EngineConfig:
     load_format: str  # "auto" (safetensors) or "dummy" (random weights)
     ops_backend: str = "torch"  # "torch" (reference ops) or "triton" (kernels)
     enforce_eager: bool = False  # True: no CUDA graphs
+    # MoE: count the distinct experts each decode step routes to (benchmarks; costs a few
+    # small kernels per layer).
+    measure_moe_routing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

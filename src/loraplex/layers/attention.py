@@ -21,10 +21,11 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; sinks [Hq]: see ops.paged_attention."""
         attn = get_forward_context().attn
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
         return ops.paged_attention(
-            q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window
+            q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window, sinks
         )

@@ -36,6 +36,10 @@ class SelfAttention(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attn_scale or cfg.head_dim**-0.5,
             cfg.layer_window(layer),
         )
+        # gpt-oss: one sink logit per query head (self_attn.sinks in checkpoints), kept in
+        # float32 whatever the model's dtype: the attention op reads it as float32 logits.
+        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), False)
+                      if cfg.attention_sinks else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -46,7 +50,7 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v)
+        o = self.attn(q, k, v, self.sinks)
         return self.o_proj(o.reshape(t, -1))
 
 

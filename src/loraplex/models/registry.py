@@ -8,6 +8,7 @@ from loraplex.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from loraplex.errors import UnsupportedModel
 from loraplex.models.dense import DenseCausalLM
 from loraplex.models.gemma3 import Gemma3CausalLM
+from loraplex.models.gpt_oss import GptOssCausalLM
 from loraplex.models.moe import MixtralCausalLM, MoECausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
@@ -18,6 +19,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": MoECausalLM,
     "MixtralForCausalLM": MixtralCausalLM,
     "Gemma3ForCausalLM": Gemma3CausalLM,
+    "GptOssForCausalLM": GptOssCausalLM,
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

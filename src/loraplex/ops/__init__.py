@@ -92,15 +92,19 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t] = softmax(scale * q[t] @ K_b.T + mask) @ V_b for t in seq b.
 
     q [T, Hq, D] (Hq a multiple of Hkv: grouped-query attention); K_b, V_b are seq b's
     first seq_lens[b] cached keys/values, read through its block table; the new tokens
     are the last ones of the context, causal; with a sliding window, key position k is
-    visible to query position p iff p - window < k <= p. Returns [T, Hq, D].
+    visible to query position p iff p - window < k <= p. sinks [Hq] (gpt-oss), read as
+    float32: head h's softmax gets one more logit, sinks[h], with no value (it only adds
+    exp(sinks[h]) to the denominator, so a row's weights sum to less than 1).
+    Returns [T, Hq, D].
     """
-    return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+    return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):

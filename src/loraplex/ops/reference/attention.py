@@ -29,6 +29,7 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
@@ -44,13 +45,21 @@ def paged_attention(
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        qb, k, v = q[q_start:q_end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            o = _attention_with_sinks(qb, k, v, mask, scale, sinks)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def _attention_with_sinks(q, k, v, mask, scale, sinks):
+    """SDPA has no sinks: scores in float32, each head's sink logit as one more column
+    of the softmax, dropped before multiplying by V. q [Hq, n, D], k/v [Hkv, L, D]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0).float(), v.repeat_interleave(group, 0).float()
+    scores = (q.float() @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    return (probs @ v).to(q.dtype)

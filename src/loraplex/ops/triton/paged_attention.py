@@ -10,6 +10,9 @@ already in the cache (write_kv_cache runs first): a chunk appended to a cached p
 and a single decode token are the same case. Decode batches whose contexts may span
 several partitions go to the split-KV kernels of paged_decode.py instead, which spread
 each context over several programs.
+
+Attention sinks (gpt-oss) start each row's online softmax as if one key with logit
+sinks[head] and a zero value had been seen: running max = sink, sum = 1.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def attention_config(max_query_len: int, group: int) -> dict:
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale, window,
     stride_qt, stride_qh, stride_qd,
@@ -42,7 +45,8 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -70,8 +74,12 @@ def _paged_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if USE_SINKS:
+        m_i = tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     last_pos = ctx_len - q_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len) - 1
@@ -109,6 +117,7 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -116,21 +125,21 @@ def paged_attention(
     if batch.max_query_len == 1:  # decode: split long contexts over programs (host-known bound)
         splits = num_splits(batch, page, num_kv_heads, sliding_window)
         if splits > 1:
-            return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits)
+            return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks)
     out = torch.empty_like(q)
     cfg = attention_config(batch.max_query_len, group)
     block_q = cfg["BLOCK_M"] // group
     assert block_q >= 1, "a tile must hold at least one token's query heads"
     grid = (triton.cdiv(batch.max_query_len, block_q), batch.num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, q if sinks is None else sinks,  # q: a pointer never read
         batch.block_tables, batch.seq_lens, batch.query_start_loc,
         scale, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         batch.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
         **dot_settings(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -15,6 +15,8 @@ block table's width (no context outgrows its table row; a graph's rows span
 max_model_len), the window, and the batch size; both kernels derive each sequence's
 spans from seq_lens on the device, so programs past a context exit at once and the merge
 reads only partials that were written. Scratch is one grow-only buffer per device.
+Attention sinks (gpt-oss) join in the merge, once per head: one more partial with max
+sinks[head], sum 1 and no output.
 """
 
 from __future__ import annotations
@@ -138,11 +140,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, seq_lens_ptr, query_start_loc_ptr,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, sinks_ptr, seq_lens_ptr, query_start_loc_ptr,
     window, splits, num_heads,
     stride_ot, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -154,13 +157,19 @@ def _decode_merge_kernel(
     m = tl.load(max_ptr + slot, mask=written, other=float("-inf"))
     l_s = tl.load(sum_ptr + slot, mask=written, other=0.0)
     m_all = tl.max(m, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # padding sequence: nothing written
     w = tl.where(written, tl.exp(m - m_all), 0.0)
+    total = tl.sum(l_s * w, axis=0)
+    if USE_SINKS:
+        total += tl.exp(sink - m_all)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=written[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(tl.sum(l_s * w, axis=0), 1e-30)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
     token = tl.load(query_start_loc_ptr + seq)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -174,6 +183,7 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_attention for a batch of one query token per sequence, in `splits` pieces."""
     num_tokens, num_heads, head_dim = q.shape
@@ -203,9 +213,9 @@ def paged_decode(
     )
     block_s = triton.next_power_of_2(splits)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        acc, m, l_s, out, batch.seq_lens, batch.query_start_loc,
+        acc, m, l_s, out, q if sinks is None else sinks, batch.seq_lens, batch.query_start_loc,
         window, splits, num_heads, *out.stride(),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
-        num_warps=min(8, max(1, block_s * block_d // 1024)),
+        USE_SINKS=sinks is not None, num_warps=min(8, max(1, block_s * block_d // 1024)),
     )
     return out
