@@ -148,3 +148,25 @@ def test_gpt_oss_dummy_weights(gpt_oss_dir, tmp_path):
         assert len(out.outputs[0].token_ids) == NUM_NEW
         lps = _logprobs_of(out.outputs[0].logprobs, out.outputs[0].token_ids)
         assert torch.isfinite(lps).all()
+
+
+def test_gpt_oss_adapters_match_peft(gpt_oss_dir, tmp_path):
+    """LoRA on attention and every expert (PEFT target_parameters on the
+    transposed, gate/up-interleaved experts) against PEFT; in a batch with the base."""
+    from conftest import make_peft_adapter
+
+    from loraplex import LoRARequest
+
+    adapter = make_peft_adapter(gpt_oss_dir, tmp_path / "a", seed=5, r=4, lora_alpha=8,
+                                target_modules=["q_proj", "o_proj"],
+                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora = LoRARequest("a", 1, str(adapter))
+    llm = make_llm(gpt_oss_dir)
+    prompts = random_prompts(2, (12, 30), seed=3)
+    outs = llm.generate(prompts, SP, [lora, None])
+    oracles = (HFOracle(gpt_oss_dir, adapter), HFOracle(gpt_oss_dir))
+    for p, out, oracle in zip(prompts, outs, oracles):
+        got = torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], p[1:])])
+        torch.testing.assert_close(got, oracle.prompt_logprobs(p), atol=tolerance(), rtol=0)
+    with_adapter = HFOracle(gpt_oss_dir, adapter).prompt_logprobs(prompts[1])
+    assert (with_adapter - oracles[1].prompt_logprobs(prompts[1])).abs().max() > 0.05  # it matters
