@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _generate(args) -> int:
@@ -42,6 +43,12 @@ def _registry(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from loraplex.ops.triton import tune_moe  # needs Triton and a GPU
+
+    return tune_moe.main(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
 
     from loraplex.bench import run as bench
+    from loraplex.bench.workload import BUNDLED_CONFIGS
     from loraplex.server import run as serve
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
@@ -70,6 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
     bench.add_arguments(b)
     b.set_defaults(func=bench.main)
+
+    tune = sub.add_parser("tune", help="tune the MoE kernels' block configs on this GPU (JSON files)")
+    tune.add_argument("--model", required=True,
+                      help="MoE model directory, or a bundled config: " + ", ".join(BUNDLED_CONFIGS))
+    tune.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                      help="token counts to tune (default: 1 to 4096)")
+    tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    tune.add_argument("--out", default=None, help="output directory (default: the package's configs)")
+    tune.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"),
+                      help="where a bundled config is unpacked")
+    tune.set_defaults(func=_tune)
 
     reg = sub.add_parser("registry", help="publish adapters to / list a registry (for --lora-registry)")
     reg.add_argument("root", help="registry directory or fsspec URL")

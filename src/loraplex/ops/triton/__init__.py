@@ -4,8 +4,11 @@ Same names and signatures as `loraplex.ops.reference`, which is every kernel's o
 Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
-from loraplex.ops.reference.moe import fused_experts, route_experts  # no Triton MoE kernel yet
+# Routing stays torch: a softmax and top-k over [T, E] logits are tiny next to the expert
+# GEMMs and already launch without a host sync.
+from loraplex.ops.reference.moe import route_experts
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
+from loraplex.ops.triton.fused_moe import fused_experts
 from loraplex.ops.triton.kv_cache import write_kv_cache
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv

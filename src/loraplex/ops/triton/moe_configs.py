@@ -1,0 +1,74 @@
+"""Tuned block configs of the MoE grouped GEMM, read from JSON data files.
+
+One file per device, GEMM shape and dtype, written by `loraplex tune` (tune_moe.py):
+`moe_gemm_<device>_E<E>_N<N>_K<K>_<dtype>.json`, where the weight is [E, N, K] (the
+gate/up GEMM: N = 2I, K = H; the down GEMM: N = H, K = I). Its keys are token counts,
+its values the kernel's constexprs. A batch takes the entry of the nearest token count.
+Files are looked up in $LORAPLEX_MOE_CONFIG_DIR (os.pathsep-separated directories),
+then in the package's configs/ directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+PACKAGE_DIR = Path(__file__).parent / "configs"
+ENV_VAR = "LORAPLEX_MOE_CONFIG_DIR"
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """The device's name as used in file names, e.g. NVIDIA_H200."""
+    index = None if device is None else torch.device(device).index
+    return _device_name(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_").replace("/", "_")
+
+
+def config_file_name(device: str, num_experts: int, n: int, k: int, dtype: torch.dtype) -> str:
+    return f"moe_gemm_{device}_E{num_experts}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}.json"
+
+
+def search_dirs() -> list[Path]:
+    extra = [Path(d) for d in os.environ.get(ENV_VAR, "").split(os.pathsep) if d]
+    return [*extra, PACKAGE_DIR]
+
+
+@functools.cache
+def load_configs(file_name: str) -> dict[int, dict] | None:
+    """{token count: config} from the first directory holding `file_name`, else None."""
+    for d in search_dirs():
+        path = d / file_name
+        if path.is_file():
+            table = json.loads(path.read_text())
+            return {int(m): {key: int(cfg[key]) for key in CONFIG_KEYS} for m, cfg in table.items()}
+    return None
+
+
+def nearest(table: dict[int, dict], num_tokens: int) -> dict:
+    """The entry tuned for the token count nearest `num_tokens` (the smaller on ties)."""
+    return dict(table[min(table, key=lambda m: (abs(m - num_tokens), m))])
+
+
+def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
+    """The tuned config of weight w [E, N, K] on its GPU for `num_tokens`, if a file exists."""
+    if not w.is_cuda:
+        return None
+    e, n, k = w.shape
+    table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype))
+    return nearest(table, num_tokens) if table else None
+
+
+def save_configs(path: Path, table: dict[int, dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = {str(m): {key: int(cfg[key]) for key in CONFIG_KEYS} for m, cfg in sorted(table.items())}
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    load_configs.cache_clear()

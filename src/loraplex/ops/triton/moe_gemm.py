@@ -1,0 +1,139 @@
+"""Grouped GEMM of the MoE experts over aligned pair blocks (moe_align.py):
+out[pair, :] = A[row(pair)] @ W[expert(block)].T (+ bias[expert]).
+
+Each program takes one block of BLOCK_M sorted pairs (all routed to one expert) and
+BLOCK_N output columns. The gate/up GEMM gathers its rows straight from x (row = pair //
+top_k: no per-expert copy of x); the down GEMM reads the [P, I] intermediate (row =
+pair). Options: FUSE_ACT loads the gate tile and the matching up tile (W rows n and
+n + I) and stores act(gate) * up, so the [P, 2I] output never exists; MUL_ROUTED_WEIGHT
+scales each row by its routing weight before the store. fp32 accumulation; blocks past
+the valid count (worst-case grid) exit at once. Outputs are indexed by pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
+from loraplex.ops.triton.moe_act import gated_act
+from loraplex.ops.triton.moe_align import Alignment
+from loraplex.ops.triton.moe_configs import tuned_config
+from loraplex.ops.triton.precision import dot_settings
+
+# Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
+# bound by weight reads (small BLOCK_M wastes least padding, wide K steps), many rows
+# a GEMM (larger tiles, grouped ordering so blocks of one expert share W in L2).
+DEFAULT_CONFIGS = (
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)),
+    (math.inf, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
+)
+
+
+def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
+    """Tuned config for weight w [E, N, K] if a file exists, else the default table's."""
+    tuned = tuned_config(w, num_tokens)
+    if tuned is not None:
+        return tuned
+    rows = num_tokens * top_k / w.shape[0]
+    return dict(next(cfg for limit, cfg in DEFAULT_CONFIGS if rows <= limit))
+
+
+@triton.jit(do_not_specialize=["N", "K", "num_pairs", "num_blocks", "limit"])
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr,
+    sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
+    N, K, num_pairs, num_blocks, limit,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
+    stride_om, stride_on,
+    ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
+    ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * n_blocks)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_blocks)) % group_size
+    pid_n = (pid % (GROUP_M * n_blocks)) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rows[:, None] * stride_am
+    w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # W.T tile [BLOCK_K, BLOCK_N]
+    up_cols = w_cols + N * stride_wn  # FUSE_ACT: the up rows sit I = N rows below the gate's
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            a_mask, w_mask = m_mask[:, None], n_mask[None, :]
+        else:
+            a_mask = m_mask[:, None] & (k[None, :] < K)
+            w_mask = n_mask[None, :] & (k[:, None] < K)
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
+        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        if FUSE_ACT:
+            u = tl.load(up_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
+
+    if HAS_BIAS:
+        bias = bias_ptr + expert * stride_be + offs_n * stride_bn
+        acc += tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if FUSE_ACT:
+            acc_up += tl.load(bias + N * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if FUSE_ACT:
+        acc = gated_act(acc, acc_up, limit, ACTIVATION, ALPHA)
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def moe_gemm(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    align: Alignment, cfg: dict, row_div: int, activation: str | None = None,
+    limit: float = math.inf, routed_weights: torch.Tensor | None = None,
+) -> None:
+    """out[pair] = A[pair // row_div] @ W[e].T (+ bias[e]) for the pairs of `align`;
+    with `activation`, out [P, N / 2] = act(gate) * up; with routed_weights (float32,
+    contiguous [T, top_k]), rows scaled by their routing weight. a [rows, K]; w [E, N, K]."""
+    assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
+    n = w.shape[1] // 2 if activation else w.shape[1]
+    assert a.shape[1] == w.shape[2] and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
+    assert a.dtype == w.dtype, (a.dtype, w.dtype)
+    if routed_weights is not None:
+        assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
+    grid = (align.num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _moe_gemm_kernel[grid](
+        a, w, bias if bias is not None else w, out, routed_weights if routed_weights is not None else w,
+        align.sorted_ids, align.block_groups, align.num_valid,
+        n, w.shape[2], align.num_pairs, align.num_blocks, limit,
+        *a.stride(), *w.stride(), *(bias.stride() if bias is not None else (0, 0)), *out.stride(),
+        ROW_DIV=row_div, HAS_BIAS=bias is not None, FUSE_ACT=activation is not None,
+        ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
+        MUL_ROUTED_WEIGHT=routed_weights is not None,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, **dot_settings(w.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

@@ -1,0 +1,133 @@
+"""Adapters on routed experts: y[pair] += (in_row(pair) @ A[s, e].T) @ B[s, e].T, where s
+is the pair's token's slot and e its expert, added into a grouped GEMM's output before
+the activation (gate/up) or the routing weight (down).
+
+Why pairs sorted by (slot, expert), with their own alignment (moe_align.align_lora):
+each block then holds one (slot, expert) group, so a program loads one A (or B) and
+runs full tl.dot tiles, exactly like the base GEMM. The alternative, reusing the
+expert-sorted blocks with a grid dimension over adapter slots and rows masked to the
+slot, launches max_loras x blocks programs and multiplies mostly masked rows; the
+sort is one more single-program launch, shared by the gate/up and down paths.
+Tokens in slot -1 are in no block; their rows are never touched. A/B columns past an
+adapter's rank are zero in the slot buffers, so computing all R columns is exact.
+Shrink writes float32 [P, R] rows indexed by pair; expand adds in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.triton.moe_align import Alignment
+from loraplex.ops.triton.precision import dot_settings
+
+BLOCK_K, BLOCK_N, NUM_WARPS = 64, 128, 4
+
+
+def lora_block_m(num_pairs: int) -> int:
+    """Decode: most (slot, expert) groups hold a pair or two, so the smallest tl.dot
+    tile wastes least; prefill: larger groups amortise each A/B load over more rows."""
+    return 16 if num_pairs <= 1024 else 64
+
+
+@triton.jit(do_not_specialize=["K", "num_pairs", "num_experts"])
+def _moe_lora_shrink_kernel(
+    in_ptr, a_ptr, buf_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    K, num_pairs, num_experts,
+    stride_im, stride_ik, stride_al, stride_ae, stride_ar, stride_ak, stride_bm, stride_br,
+    R: tl.constexpr, ROW_DIV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    if blk * BLOCK_M >= tl.load(num_valid_ptr):
+        return
+    group = tl.load(block_groups_ptr + blk)
+    slot, expert = (group // num_experts).to(tl.int64), (group % num_experts).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    rows = (pairs // ROW_DIV).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_k = tl.arange(0, BLOCK_K)
+    in_rows = in_ptr + rows[:, None] * stride_im
+    a_cols = a_ptr + slot * stride_al + expert * stride_ae + offs_r[None, :] * stride_ar
+
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:
+            x_mask, a_mask = m_mask[:, None], r_mask[None, :]
+        else:
+            x_mask = m_mask[:, None] & (k[None, :] < K)
+            a_mask = r_mask[None, :] & (k[:, None] < K)
+        x = tl.load(in_rows + k[None, :] * stride_ik, mask=x_mask, other=0.0)
+        a = tl.load(a_cols + k[:, None] * stride_ak, mask=a_mask, other=0.0)
+        if UPCAST:
+            x, a = x.to(tl.float32), a.to(tl.float32)
+        acc += tl.dot(x, a, input_precision=DOT_PRECISION)
+    out = buf_ptr + pairs.to(tl.int64)[:, None] * stride_bm + offs_r[None, :] * stride_br
+    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "num_pairs", "num_experts"])
+def _moe_lora_expand_kernel(
+    buf_ptr, b_ptr, y_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    N, num_pairs, num_experts,
+    stride_bm, stride_br, stride_wl, stride_we, stride_wn, stride_wr, stride_ym, stride_yn,
+    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    if blk * BLOCK_M >= tl.load(num_valid_ptr):
+        return
+    group = tl.load(block_groups_ptr + blk)
+    slot, expert = (group // num_experts).to(tl.int64), (group % num_experts).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = pairs < num_pairs
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w = tl.load(b_ptr + slot * stride_wl + expert * stride_we + offs_n[None, :] * stride_wn
+                + offs_r[:, None] * stride_wr, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    rows = pairs.to(tl.int64)
+    x = tl.load(buf_ptr + rows[:, None] * stride_bm + offs_r[None, :] * stride_br,
+                mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+    delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+    y = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor,
+             align: Alignment, row_div: int) -> None:
+    """y[pair] += (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for the pairs of `align`
+    (from align_lora). lora_a [L, E, R, K]; lora_b [L, E, N, R]; y [P, N]."""
+    _, num_experts, rank, k = lora_a.shape
+    n = lora_b.shape[2]
+    assert inp.shape[1] == k and y.shape == (align.num_pairs, n), (inp.shape, lora_a.shape, y.shape)
+    assert inp.dtype == lora_a.dtype == lora_b.dtype, (inp.dtype, lora_a.dtype, lora_b.dtype)
+    if align.num_blocks == 0:
+        return
+    block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs >= 16 on a GPU
+    bm = align.block_m
+    buf = torch.empty(align.num_pairs, rank, dtype=torch.float32, device=y.device)
+    _moe_lora_shrink_kernel[(align.num_blocks,)](
+        inp, lora_a, buf, align.sorted_ids, align.block_groups, align.num_valid,
+        k, align.num_pairs, num_experts,
+        *inp.stride(), *lora_a.stride(), *buf.stride(),
+        R=rank, ROW_DIV=row_div, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=BLOCK_K,
+        EVEN_K=k % BLOCK_K == 0, **dot_settings(inp.dtype), num_warps=NUM_WARPS,
+    )
+    _moe_lora_expand_kernel[(align.num_blocks, triton.cdiv(n, BLOCK_N))](
+        buf, lora_b, y, align.sorted_ids, align.block_groups, align.num_valid,
+        n, align.num_pairs, num_experts,
+        *buf.stride(), *lora_b.stride(), *y.stride(),
+        R=rank, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_R=block_r,
+        **dot_settings(lora_b.dtype), num_warps=NUM_WARPS,
+    )

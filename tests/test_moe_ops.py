@@ -1,0 +1,159 @@
+"""The Triton MoE kernels against the plain-torch oracle: pair alignment, fused_experts on
+awkward shapes (every activation, biases, per-token adapters on experts), the tuned
+config files and the tuner's search space."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from loraplex import ops
+from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.reference import moe as reference
+
+pytest.importorskip("triton")
+from loraplex.ops.triton import fused_moe, moe_align, moe_configs, tune_moe  # noqa: E402
+
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def check_alignment(al, keys: torch.Tensor, num_groups: int):
+    sorted_ids, groups = al.sorted_ids.cpu(), al.block_groups.cpu()
+    p, bm, valid = keys.numel(), al.block_m, int(al.num_valid.item())
+    counts = torch.bincount(keys[keys >= 0], minlength=num_groups)
+    assert valid == int(((counts + bm - 1) // bm * bm).sum()), "segments padded to whole blocks"
+    assert sorted_ids.numel() == al.num_blocks * bm >= valid
+    placed = sorted_ids[sorted_ids < p]
+    assert sorted(placed.tolist()) == [i for i in range(p) if keys[i] >= 0]  # each pair once
+    assert (sorted_ids[valid:] == p).all() and (groups[valid // bm:] == -1).all()
+    for b in range(valid // bm):
+        block = sorted_ids[b * bm:(b + 1) * bm]
+        real = block[block < p]
+        assert real.numel() > 0, "a valid block holds a pair"
+        assert (keys[real.long()] == groups[b]).all(), "blocks are single-group"
+        assert (block[: real.numel()] == real).all(), "padding only at a segment's end"
+    seg = groups[: valid // bm].tolist()
+    assert seg == sorted(seg) and set(seg) == set(keys[keys >= 0].tolist())
+
+
+@pytest.mark.parametrize("t,e,k,bm", [(1, 4, 1, 16), (3, 8, 3, 16), (17, 8, 2, 4), (40, 4, 3, 16)])
+def test_moe_align(t, e, k, bm, monkeypatch):
+    monkeypatch.setattr(moe_align, "CHUNK", 16)  # several chunks per loop of the kernel
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+    ids[ids == e - 1] = 0  # an expert no token hits
+    check_alignment(moe_align.align_experts(ids.to(DEVICE), e, bm), ids.flatten(), e)
+    # By (slot, expert), 3 slots: tokens in slot -1 are left out.
+    slots = torch.randint(-1, 3, (t + 2,), generator=gen, dtype=torch.int32)
+    keys = torch.where(slots[:t, None] >= 0, slots[:t, None] * e + ids, -1).flatten()
+    check_alignment(moe_align.align_lora(ids.to(DEVICE), slots.to(DEVICE), e, 3, bm), keys, 3 * e)
+
+
+def make_lora(e, h, i, t, gen) -> MoELoRA:
+    """Slots: 0 full rank, 1 rank 3 (zero tails), 2 empty (adapts no expert), 3 rank 5;
+    tokens in every slot and in none (-1). Ranks 16 (gate/up) and 8 (down, < a tl.dot)."""
+    r_gu, r_d, ranks = 16, 8, [16, 3, 0, 5]
+    a_gu, b_gu = torch.zeros(4, e, r_gu, h), torch.zeros(4, e, 2 * i, r_gu)
+    a_d, b_d = torch.zeros(4, e, r_d, i), torch.zeros(4, e, h, r_d)
+    for s, r in enumerate(ranks):
+        a_gu[s, :, :r] = torch.randn(e, r, h, generator=gen) / h**0.5
+        b_gu[s, :, :, :r] = torch.randn(e, 2 * i, r, generator=gen) / (r or 1) ** 0.5
+        a_d[s, :, : min(r, r_d)] = torch.randn(e, min(r, r_d), i, generator=gen) / i**0.5
+        b_d[s, :, :, : min(r, r_d)] = torch.randn(e, h, min(r, r_d), generator=gen) / 4
+    slots = torch.tensor([(-1, 0, 1, 2, 3)[j % 5] for j in range(t)], dtype=torch.int32)
+    return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)])
+
+
+SMALL_BLOCKS = (  # gate/up, down: several row and column blocks, grouped ordering, and
+    # BLOCK_M differing between the GEMMs (each gets its own alignment)
+    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
+)
+
+
+# (tokens, experts, top_k, hidden, intermediate, activation, biases, block configs)
+CASES = [
+    (1, 8, 2, 40, 24, "silu", True, "default"),
+    (3, 4, 3, 128, 24, "silu", False, "small"),
+    (17, 8, 3, 40, 24, "gelu_tanh", False, "default"),
+    (3, 8, 1, 48, 20, "gelu_tanh", True, "small"),
+    (17, 4, 2, 40, 24, "swiglu_oai", True, "small"),
+    (1, 4, 3, 128, 36, "swiglu_oai", False, "default"),
+    (40, 4, 3, 40, 24, "gelu_tanh", True, "small"),  # several blocks per expert
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("t,e,k,h,i,act,bias,blocks", CASES)
+def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora, dtype):
+    if blocks == "small":  # w_gate_up is [E, 2I, H], w_down [E, H, I]
+        monkeypatch.setattr(fused_moe, "gemm_config",
+                            lambda w, *_: dict(SMALL_BLOCKS[w.shape[1] != 2 * i]))
+    gen = torch.Generator().manual_seed(t * 100 + e * 10 + k)
+    x = torch.randn(t, h, generator=gen)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, e - 1] = -torch.inf  # an expert no token hits
+    weights, ids = reference.route_experts(logits, k, renormalize=bool(bias))
+    w_gu = torch.randn(e, 2 * i, h, generator=gen) / h**0.5
+    w_d = torch.randn(e, h, i, generator=gen) / i**0.5
+    b_gu = torch.randn(e, 2 * i, generator=gen) if bias else None
+    b_d = torch.randn(e, h, generator=gen) if bias else None
+    lora = make_lora(e, h, i, t, gen) if with_lora else None
+    limit = 3.0 if act == "swiglu_oai" else None
+
+    def cast(v, to, dev="cpu"):  # the oracle sees the same (rounded) values in fp32
+        if isinstance(v, MoELoRA):
+            return MoELoRA(*(cast(f, to, dev) for f in (v.a_gate_up, v.b_gate_up, v.a_down, v.b_down)),
+                           v.token_slot.to(dev))
+        return None if v is None else v.to(dtype).to(dev, to)
+
+    args = (x, w_gu, w_d, b_gu, b_d, lora)
+    xe, wgu, wd, bgu, bd, lo = (cast(v, torch.float32) for v in args)
+    expected = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit)
+    xg, wgu, wd, bgu, bd, lo = (cast(v, dtype, DEVICE) for v in args)
+    with ops.using_backend("triton"):
+        out = ops.fused_experts(xg, weights.to(DEVICE), ids.to(DEVICE), wgu, wd, act, bgu, bd, lo, limit)
+    assert out.dtype == dtype and out.shape == (t, h)
+    err = (out.cpu().float() - expected).norm() / expected.norm()
+    assert err <= REL_TOL[dtype], err
+
+
+def test_tuned_config_files(tmp_path, monkeypatch):
+    name = moe_configs.config_file_name("NVIDIA_H200", 128, 1536, 2048, torch.bfloat16)
+    assert name == "moe_gemm_NVIDIA_H200_E128_N1536_K2048_bfloat16.json"
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    table = {1: cfg, 64: {**cfg, "BLOCK_M": 32}, 512: {**cfg, "BLOCK_M": 64, "GROUP_M": 16}}
+    moe_configs.save_configs(tmp_path / name, table)
+    assert json.loads((tmp_path / name).read_text())["64"]["BLOCK_M"] == 32
+    monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
+    moe_configs.load_configs.cache_clear()
+    loaded = moe_configs.load_configs(name)
+    assert loaded == table
+    assert moe_configs.nearest(loaded, 20)["BLOCK_M"] == 16
+    assert moe_configs.nearest(loaded, 40)["BLOCK_M"] == 32
+    assert moe_configs.nearest(loaded, 10_000)["GROUP_M"] == 16
+    assert moe_configs.load_configs("moe_gemm_none.json") is None
+    moe_configs.load_configs.cache_clear()
+    # CPU weights never read tuned files: the default table by pairs per expert.
+    w = torch.empty(8, 48, 40)
+    assert moe_configs.tuned_config(w, 4) is None
+    assert fused_moe.gemm_config(w, 4, 2)["BLOCK_M"] == 16
+    assert fused_moe.gemm_config(w, 1000, 2)["BLOCK_M"] == 64
+
+
+def test_tuner_candidates():
+    small = tune_moe.candidates(1, 8, 128, fused=True)
+    large = tune_moe.candidates(4096, 8, 128, fused=True)
+    assert small and len(large) > len(small)
+    assert {c["BLOCK_M"] for c in small} == {16} and max(c["BLOCK_M"] for c in large) == 128
+    for fused, cands in ((True, small + large), (False, tune_moe.candidates(256, 2, 8))):
+        for c in cands:
+            assert set(c) == set(moe_configs.CONFIG_KEYS)
+            assert min(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) >= 16  # tl.dot on a GPU
+            tiles = c["BLOCK_M"] * c["BLOCK_K"] + c["BLOCK_K"] * c["BLOCK_N"] * (1 + fused)
+            assert c["num_stages"] * tiles * 2 <= tune_moe.SMEM_BYTES  # bf16 stages fit
+    assert all(c["GROUP_M"] == 1 for c in small)
