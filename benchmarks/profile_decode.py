@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.bench.synthetic import LINEAR_TARGETS
 from loraplex.bench.workload import prepare_adapters, prepare_model_dir
 
 
@@ -23,6 +24,7 @@ def main():
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     args = p.parse_args()
 
@@ -31,8 +33,10 @@ def main():
               max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256)
     engine, runner = llm.engine, llm.engine.runner
     shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
+    targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
     paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes,
-                             list(range(args.adapters)), 16)
+                             list(range(args.adapters)), 16, targets,
+                             experts=dict(runner.adapter_targets.experts))
     loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
 
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
