@@ -303,5 +303,6 @@ def _weights_size(adapter_dir: str) -> int:
 
 
 def _lives_in(adapter: LoRAAdapter, buf: torch.Tensor) -> bool:
-    a = next(iter(adapter.weights.values()))[0]
-    return a.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    """Its dense tensors are views of `buf` (an experts-only adapter has none there)."""
+    a = next((a for a, _ in adapter.weights.values()), None)
+    return a is not None and a.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()

@@ -64,7 +64,13 @@ def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
         return None
     e, n, k = w.shape
     table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype))
-    return nearest(table, num_tokens) if table else None
+    if not table:
+        return None
+    cfg = nearest(table, num_tokens)
+    m = min(table, key=lambda m: (abs(m - num_tokens), m))
+    # A config tuned for a very different token count (decode vs prefill) is worse than
+    # the defaults, whose tiles follow the rows per expert.
+    return cfg if m / 2 <= num_tokens <= 2 * m else None
 
 
 def save_configs(path: Path, table: dict[int, dict]) -> None:
