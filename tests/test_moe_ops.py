@@ -50,6 +50,11 @@ def test_moe_align(t, e, k, bm, monkeypatch):
     slots = torch.randint(-1, 3, (t + 2,), generator=gen, dtype=torch.int32)
     keys = torch.where(slots[:t, None] >= 0, slots[:t, None] * e + ids, -1).flatten()
     check_alignment(moe_align.align_lora(ids.to(DEVICE), slots.to(DEVICE), e, 3, bm), keys, 3 * e)
+    # Slot 1's adapter adapts no expert here: its tokens are left out too.
+    mask = torch.tensor([1, 0, 1], dtype=torch.int32)
+    keys = torch.where((slots[:t, None] >= 0) & (slots[:t, None] != 1), slots[:t, None] * e + ids, -1).flatten()
+    check_alignment(moe_align.align_lora(ids.to(DEVICE), slots.to(DEVICE), e, 3, bm, mask.to(DEVICE)),
+                    keys, 3 * e)
 
 
 def make_lora(e, h, i, t, gen) -> MoELoRA:
@@ -64,7 +69,8 @@ def make_lora(e, h, i, t, gen) -> MoELoRA:
         a_d[s, :, : min(r, r_d)] = torch.randn(e, min(r, r_d), i, generator=gen) / i**0.5
         b_d[s, :, :, : min(r, r_d)] = torch.randn(e, h, min(r, r_d), generator=gen) / 4
     slots = torch.tensor([(-1, 0, 1, 2, 3)[j % 5] for j in range(t)], dtype=torch.int32)
-    return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)])
+    mask = torch.tensor([int(r > 0) for r in ranks], dtype=torch.int32)  # slot 2: skipped
+    return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)], mask)
 
 
 SMALL_BLOCKS = (  # gate/up, down: several row and column blocks, grouped ordering, and
@@ -108,7 +114,7 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
     def cast(v, to, dev="cpu"):  # the oracle sees the same (rounded) values in fp32
         if isinstance(v, MoELoRA):
             return MoELoRA(*(cast(f, to, dev) for f in (v.a_gate_up, v.b_gate_up, v.a_down, v.b_down)),
-                           v.token_slot.to(dev))
+                           v.token_slot.to(dev), v.slot_mask.to(dev))
         return None if v is None else v.to(dtype).to(dev, to)
 
     args = (x, w_gu, w_d, b_gu, b_d, lora)

@@ -66,6 +66,7 @@ class LoRASlotBuffers:
             zeros = lambda *shape: torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)  # noqa: E731
             x.lora_a_gate_up, x.lora_b_gate_up = zeros(2 * max_rank, h), zeros(2 * i, 2 * max_rank)
             x.lora_a_down, x.lora_b_down = zeros(max_rank, i), zeros(h, max_rank)
+            x.lora_slot_mask = torch.zeros(max_loras, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -85,9 +86,12 @@ class LoRASlotBuffers:
         for path, x in self.experts.items():
             ex = adapter.experts.get(path)
             if ex is None:
-                x.lora_slots.discard(slot)
+                if slot in x.lora_slots:
+                    x.lora_slots.discard(slot)
+                    x.lora_slot_mask[slot] = 0
                 continue
             x.lora_slots.add(slot)
+            x.lora_slot_mask[slot] = 1
             for i, (a, b, sa, sb) in enumerate(((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
                                                 (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))):
                 if a is not None:
@@ -145,6 +149,7 @@ class LoRASlotBuffers:
             for t in _expert_slots(x):
                 t[slot].zero_()
             x.lora_slots.discard(slot)
+            x.lora_slot_mask[slot] = 0
         self._written[slot] = {}
         self.ranks[slot] = 0
         for layer in self.layers:

@@ -70,6 +70,9 @@ class MoELoRA:
     a_down: torch.Tensor  # [max_loras, E, R_d, I]
     b_down: torch.Tensor  # [max_loras, E, H, R_d]
     token_slot: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
+    # [max_loras] int32: nonzero where the slot's adapter adapts these experts (kernels
+    # skip the other slots' tokens: no work for attention-only adapters); None: all.
+    slot_mask: torch.Tensor | None = None
 
 
 def group_tokens(token_slot: np.ndarray, slot_ranks: list[int], max_loras: int):

@@ -57,7 +57,7 @@ def fused_experts(
         return y.view(t, top_k, hidden).sum(1)
 
     align_l = align_lora(topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0],
-                         lora_block_m(p))
+                         lora_block_m(p), lora.slot_mask)
     gate_up = torch.empty(p, two_i, dtype=torch.float32, device=dev)
     moe_gemm(x, w_gate_up, b_gate_up, gate_up, align_gu, cfg_gu, top_k)
     moe_lora(x, lora.a_gate_up, lora.b_gate_up, gate_up, align_l, top_k)

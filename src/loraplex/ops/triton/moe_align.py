@@ -40,12 +40,21 @@ def _max(a, b):
     return tl.maximum(a, b)
 
 
+@triton.jit
+def _slot_key(expert, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK: tl.constexpr):
+    """Group slot * E + expert of pair i, or -1: no adapter, or one without expert weights."""
+    slot = tl.load(slots_ptr + i // top_k, mask=i < num_pairs, other=-1)
+    if HAS_MASK:
+        slot = tl.where(tl.load(slot_mask_ptr + slot, mask=slot >= 0, other=0) != 0, slot, -1)
+    return tl.where(slot >= 0, slot * num_experts + expert, -1)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "top_k", "num_experts", "num_groups", "num_blocks"])
 def _moe_align_kernel(
-    ids_ptr, slots_ptr, counts_ptr, starts_ptr, ranks_ptr,
+    ids_ptr, slots_ptr, slot_mask_ptr, counts_ptr, starts_ptr, ranks_ptr,
     sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
     num_pairs, top_k, num_experts, num_groups, num_blocks,
-    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     offs = tl.arange(0, CHUNK)
     # 0. Initialise: zero counters, sentinel everywhere, no group for any block.
@@ -61,8 +70,7 @@ def _moe_align_kernel(
         i = i0 + offs
         key = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
         if HAS_SLOTS:  # group slot * E + expert; tokens without an adapter: none
-            slot = tl.load(slots_ptr + i // top_k, mask=i < num_pairs, other=-1)
-            key = tl.where(slot >= 0, slot * num_experts + key, -1)
+            key = _slot_key(key, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK)
         valid = key >= 0
         rank = tl.atomic_add(counts_ptr + key, 1, mask=valid)
         tl.store(ranks_ptr + i, rank, mask=valid)
@@ -93,8 +101,7 @@ def _moe_align_kernel(
         i = i0 + offs
         key = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
         if HAS_SLOTS:
-            slot = tl.load(slots_ptr + i // top_k, mask=i < num_pairs, other=-1)
-            key = tl.where(slot >= 0, slot * num_experts + key, -1)
+            key = _slot_key(key, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK)
         valid = key >= 0
         start = tl.load(starts_ptr + key, mask=valid, other=0, volatile=True)
         rank = tl.load(ranks_ptr + i, mask=valid, other=0, volatile=True)
@@ -102,7 +109,7 @@ def _moe_align_kernel(
 
 
 def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts: int,
-           num_groups: int, block_m: int) -> Alignment:
+           num_groups: int, block_m: int, slot_mask: torch.Tensor | None = None) -> Alignment:
     t, top_k = topk_ids.shape
     p = t * top_k
     num_blocks = triton.cdiv(p + min(num_groups, p) * (block_m - 1), block_m)
@@ -113,10 +120,12 @@ def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts:
     if p:
         _moe_align_kernel[(1,)](
             topk_ids.contiguous(), token_slot if token_slot is not None else work,
+            slot_mask if slot_mask is not None else work,
             work, work[num_groups:], work[2 * num_groups:],
             out, out[size:], out[size + num_blocks:],
             p, top_k, num_experts, num_groups, num_blocks,
-            BLOCK_M=block_m, HAS_SLOTS=token_slot is not None, CHUNK=CHUNK, num_warps=NUM_WARPS,
+            BLOCK_M=block_m, HAS_SLOTS=token_slot is not None, HAS_MASK=slot_mask is not None,
+            CHUNK=CHUNK, num_warps=NUM_WARPS,
         )
     return Alignment(out[:size], out[size:size + num_blocks], out[size + num_blocks:], num_blocks,
                      block_m, p)
@@ -128,7 +137,8 @@ def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ali
 
 
 def align_lora(topk_ids: torch.Tensor, token_slot: torch.Tensor, num_experts: int,
-               max_loras: int, block_m: int) -> Alignment:
+               max_loras: int, block_m: int, slot_mask: torch.Tensor | None = None) -> Alignment:
     """Pairs of tokens with an adapter grouped by (slot, expert): group slot * E + expert.
-    Pairs of tokens in slot -1 (token_slot [>= T] int32) belong to no block."""
-    return _align(topk_ids, token_slot, num_experts, max_loras * num_experts, block_m)
+    Pairs of tokens in slot -1 (token_slot [>= T] int32), or in a slot whose slot_mask
+    entry is 0, belong to no block."""
+    return _align(topk_ids, token_slot, num_experts, max_loras * num_experts, block_m, slot_mask)
