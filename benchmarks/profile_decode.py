@@ -25,12 +25,15 @@ def main():
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: the profiler then sees every kernel of the step")
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     args = p.parse_args()
 
     model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
-              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256)
+              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
+              enforce_eager=args.enforce_eager)
     engine, runner = llm.engine, llm.engine.runner
     shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
     targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
@@ -54,17 +57,20 @@ def main():
             engine.step()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
 
-        size = runner.graphs.padded_size(args.batch)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        runner.graphs.replay(size, use)
-        start.record()
-        for _ in range(20):
+        if runner.graphs is not None:
+            size = runner.graphs.padded_size(args.batch)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             runner.graphs.replay(size, use)
-        end.record()
-        torch.cuda.synchronize()
-        gpu = start.elapsed_time(end) / 20
-        print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
-              f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")
+            start.record()
+            for _ in range(20):
+                runner.graphs.replay(size, use)
+            end.record()
+            torch.cuda.synchronize()
+            gpu = start.elapsed_time(end) / 20
+            print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
+                  f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")
+        else:
+            print(f"[{label}] engine step {wall:.3f} ms wall (eager)")
 
         import cProfile
         import pstats
@@ -80,7 +86,7 @@ def main():
             for _ in range(3):
                 engine.step()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=32, max_name_column_width=70))
         for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
             engine.abort_request(r.request_id)
 
