@@ -4,9 +4,6 @@ Same names and signatures as `loraplex.ops.reference`, which is every kernel's o
 Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
-# Routing stays torch: a softmax and top-k over [T, E] logits are tiny next to the expert
-# GEMMs and already launch without a host sync.
-from loraplex.ops.reference.moe import route_experts
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts
 from loraplex.ops.triton.kv_cache import write_kv_cache
@@ -14,6 +11,7 @@ from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
 from loraplex.ops.triton.lora_shrink_gemv import lora_shrink_gemv
 from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
+from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
 from loraplex.ops.triton.rotary import rotary_embedding
