@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -434,3 +435,21 @@ def test_drain_ends_unfinished_requests(chat_model):
 
     asyncio.run(main())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_default_model_serves_the_demo_adapters():
+    """With no model argument the server adds the demo adapters (unless told otherwise);
+    checked on the parsed flags, without building the default model."""
+    from loraplex.server.run import add_arguments, demo_adapters, lora_modules
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    adapters = dict(demo_adapters())
+    assert set(adapters) == {"terse", "json"}
+    for path in adapters.values():
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+        assert config["r"] <= 64 and (Path(path) / "adapter_model.safetensors").stat().st_size < 16 * 2**20
+    assert lora_modules(parser.parse_args([])) == [f"{n}={p}" for n, p in adapters.items()]
+    assert lora_modules(parser.parse_args(["--no-demo-adapters"])) == []
+    assert lora_modules(parser.parse_args(["/some/model"])) == []
+    assert lora_modules(parser.parse_args(["--lora-modules", "mine=/a"])) == ["mine=/a"]

@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="where a bundled config is unpacked")
     tune.set_defaults(func=_tune)
 
+    from loraplex.train import run as train
+
+    tr = sub.add_parser("train", help="LoRA fine-tuning on JSONL data -> a PEFT adapter (dense and MoE)")
+    train.add_arguments(tr)
+    tr.set_defaults(func=train.main)
+
     reg = sub.add_parser("registry", help="publish adapters to / list a registry (for --lora-registry)")
     reg.add_argument("root", help="registry directory or fsspec URL")
     reg.add_argument("action", choices=["publish", "list"])

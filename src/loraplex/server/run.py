@@ -11,8 +11,11 @@ import argparse
 import asyncio
 import json
 import logging
+from pathlib import Path
 
 logger = logging.getLogger("loraplex")
+
+DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "demo_adapters"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='JSON {"tenants": {name: [keys]}, "admins": [keys]}')
     p.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
                    help='adapters served from the start: NAME=PATH (public) or JSON '
-                        '{"name": ..., "path": ..., "tenant": ...}')
+                        '{"name": ..., "path": ..., "tenant": ...}; with the default model and '
+                        'none given, the demo adapters `terse` and `json`')
+    p.add_argument("--no-demo-adapters", action="store_true",
+                   help="serve the default model without its demo adapters")
     p.add_argument("--served-model-name", nargs="*", default=None)
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
@@ -61,6 +67,21 @@ def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
     return name, path, None
 
 
+def demo_adapters() -> list[tuple[str, str]]:
+    """(name, directory) of the LoRA adapters for the default model shipped with loraplex
+    (trained by examples/demo_adapters/train.sh)."""
+    return [(name, str(DEMO_ADAPTERS / name)) for name in ("terse", "json")
+            if (DEMO_ADAPTERS / name / "adapter_config.json").is_file()]
+
+
+def lora_modules(args) -> list[str]:
+    """The --lora-modules specs to serve: the demo adapters when the default model runs and
+    the user named no adapters."""
+    if args.lora_modules or args.model or args.no_demo_adapters:
+        return list(args.lora_modules)
+    return [f"{name}={path}" for name, path in demo_adapters()]
+
+
 def build_server(args):
     """The engine, the served models and the FastAPI app for `args`."""
     from loraplex.engine.async_engine import AsyncEngine
@@ -84,10 +105,11 @@ def build_server(args):
     served = ServedModels(names, llm.engine.adapters.registry if llm.engine.adapters else None)
     if args.pinned_loras and len(args.pinned_loras) >= args.max_loras:
         raise SystemExit("--pinned-loras must leave at least one of --max-loras slots free")
-    unknown = set(args.pinned_loras) - {parse_lora_module(s)[0] for s in args.lora_modules}
+    modules = lora_modules(args)
+    unknown = set(args.pinned_loras) - {parse_lora_module(s)[0] for s in modules}
     if unknown:
         raise SystemExit(f"--pinned-loras names no --lora-modules adapter: {sorted(unknown)}")
-    for spec in args.lora_modules:  # pre-warmed into host memory; broken ones stop the server
+    for spec in modules:  # pre-warmed into host memory; broken ones stop the server
         name, path, tenant = parse_lora_module(spec)
         adapter = served.new_adapter(name, path, tenant)
         llm.engine.load_adapter(adapter.lora, pin=name in args.pinned_loras)
@@ -117,6 +139,8 @@ def main(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)
-    logger.info("serving %s on http://%s:%d", ", ".join(server.served.base_names), args.host, args.port)
+    adapters = f" (adapters: {', '.join(server.served.adapters)})" if server.served.adapters else ""
+    logger.info("serving %s%s on http://%s:%d", ", ".join(server.served.base_names), adapters,
+                args.host, args.port)
     DrainingServer(config).run()
     return 0
