@@ -1,0 +1,115 @@
+"""One LoRA training step on Qwen3-30B-A3B-shaped MoE layers: loraplex vs transformers + PEFT.
+
+Both train rank-16 LoRA on every expert's gate_up and down projections (PEFT:
+`target_parameters`) of the same model: Qwen3-30B-A3B's layer shapes (128 experts, top-8,
+hidden 2048, expert intermediate 768), --layers of them, a small vocabulary (the LM head
+is not what is measured), dummy weights in bf16. Per sequence length: median time of a
+forward + backward over --repeats steps after a warm-up step, and peak GPU memory.
+
+    python benchmarks/train_moe.py [--layers 2] [--seq-lens 1024 4096 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+RANK, ALPHA = 16, 32
+
+
+def build(layers: int, tiny: bool):
+    import transformers
+
+    shape = (dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2) if tiny else
+             dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8))
+    cfg = transformers.Qwen3MoeConfig(vocab_size=1024, num_hidden_layers=layers, norm_topk_prob=True,
+                                      max_position_embeddings=32768, initializer_range=0.02, **shape)
+    cfg.use_cache = False
+    return cfg
+
+
+def make(cfg, which: str, device, dtype):
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(dtype)
+    if which == "peft":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=[], init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    else:
+        from loraplex.train.lora import LoRASpec, inject_lora
+        from loraplex.train.moe import resolve_backend
+        from loraplex.train.routing import install_routing_replay
+
+        inject_lora(model, LoRASpec(RANK, ALPHA, ("experts",)), resolve_backend("auto", device, dtype))
+        install_routing_replay(model)
+    return model
+
+
+def step_time(model, seq_len: int, repeats: int, device) -> tuple[float, float]:
+    ids = torch.randint(0, 1024, (1, seq_len), device=device)
+    times = []
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda _: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for i in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    return statistics.median(times) * 1e3, peak
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = build(args.layers, args.tiny)
+    rows = []
+    for which in ("loraplex", "peft"):
+        model = make(cfg, which, device, dtype)
+        base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        for s in args.seq_lens:
+            try:
+                ms, peak = step_time(model, s, args.repeats, device)
+            except torch.OutOfMemoryError:
+                ms, peak = float("nan"), float("nan")
+                torch.cuda.empty_cache()
+            rows.append((which, s, ms, peak, base))
+            print(f"{which:9s} seq {s:6d}: {ms:9.1f} ms/step, peak {peak:6.2f} GiB (weights {base:.2f} GiB)",
+                  flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB | memory saved |")
+    print("|---|---|---|---|---|---|---|")
+    for s in args.seq_lens:
+        a = next(r for r in rows if r[0] == "loraplex" and r[1] == s)
+        b = next(r for r in rows if r[0] == "peft" and r[1] == s)
+        print(f"| {s} | {a[2]:.1f} | {b[2]:.1f} | {b[2] / a[2]:.2f}x | {a[3]:.2f} | {b[3]:.2f} "
+              f"| {1 - a[3] / b[3]:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
