@@ -41,5 +41,8 @@ for step in $STEPS; do
         --lora-targets q_proj k_proj v_proj o_proj experts --num-prompts ${PROMPTS:-32} \
         --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir /tmp/lp \
         --result-json "$OUT/gpt-oss.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss.txt"; tail -8 "$OUT/gpt-oss.txt" ;;
+    train-moe)  # issue 7: one training step, Qwen3-30B-A3B-shaped MoE layers, vs transformers + PEFT
+      timeout 400 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 2>&1 \
+        | grep -v -i warn | tee "$OUT/train-moe.txt" | tail -8 ;;
   esac
 done
