@@ -1,0 +1,115 @@
+"""JSONL training data -> token ids and labels (-100 where no loss is taken) -> batches.
+
+Two record shapes:
+- {"prompt": str, "completion": str}: the prompt tokenized as the tokenizer does for a
+  text (BOS if it adds one), the completion without special tokens, then EOS. Loss on the
+  completion and EOS. The two halves are tokenized apart so the boundary is exact.
+- {"messages": [{"role", "content"}, ...]}: the tokenizer's chat template. Loss on each
+  assistant turn: the text its rendering adds after the generation prompt (its content and
+  the template's end of turn, so the model learns to stop). Boundaries come from
+  rendering prefixes of the conversation; each rendered piece is tokenized on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def _ids(tokenizer, text: str, special: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+
+
+def encode_prompt_completion(tokenizer, prompt: str, completion: str) -> Example:
+    p = _ids(tokenizer, prompt, True)
+    c = _ids(tokenizer, completion, False)
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not c or c[-1] != eos):
+        c.append(eos)
+    return Example(p + c, [IGNORE] * len(p) + c)
+
+
+def _render(tokenizer, messages, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> Example:
+    if tokenizer.chat_template is None:
+        raise ValueError("records with 'messages' need a tokenizer with a chat template")
+    # Cut points in the full rendering: (start, end) of each assistant turn.
+    full = _render(tokenizer, messages, False)
+    cuts: list[tuple[int, bool]] = []  # (end of piece, trained)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ValueError("the chat template renders earlier turns differently once later ones follow "
+                             "(e.g. it drops reasoning): give one record per assistant turn")
+        cuts += [(len(before), False), (len(through), True)]
+    cuts.append((len(full), False))
+    ids, labels, start = [], [], 0
+    for end, trained in cuts:
+        piece = _ids(tokenizer, full[start:end], False)
+        ids += piece
+        labels += piece if trained else [IGNORE] * len(piece)
+        start = max(start, end)
+    return Example(ids, labels)
+
+
+def encode(tokenizer, record: dict) -> Example:
+    if "messages" in record:
+        return encode_messages(tokenizer, record["messages"])
+    if "prompt" in record and "completion" in record:
+        return encode_prompt_completion(tokenizer, record["prompt"], record["completion"])
+    raise ValueError(f"a record needs 'prompt' and 'completion', or 'messages': got keys {sorted(record)}")
+
+
+def load_examples(path: str | Path, tokenizer, max_seq_len: int) -> list[Example]:
+    """Every record of the JSONL file, truncated to max_seq_len; records left with no
+    trained token (all prompt) are dropped."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ex = encode(tokenizer, json.loads(line))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{n}: {err}") from err
+        ex = Example(ex.input_ids[:max_seq_len], ex.labels[:max_seq_len])
+        if any(t != IGNORE for t in ex.labels[1:]):
+            out.append(ex)
+    if not out:
+        raise ValueError(f"{path}: no record with a token to train on")
+    return out
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (IGNORE on padding)."""
+    n = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), n), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), n), dtype=torch.long)
+    for i, e in enumerate(examples):
+        k = len(e.input_ids)
+        ids[i, :k], labels[i, :k], mask[i, :k] = torch.tensor(e.input_ids), torch.tensor(e.labels), 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The example indices of each batch of an epoch: a permutation seeded by (seed,
+    epoch), so a resumed run sees the same batches without saving any data-loader state."""
+    perm = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return [perm[i : i + batch_size].tolist() for i in range(0, num_examples, batch_size)]

@@ -1,0 +1,142 @@
+"""LoRA injected into a transformers model for training (loraplex's own, not PEFT's).
+
+- `LoRALinear` wraps an nn.Linear: `base(x) + s (x A^T) B^T`, A [r, in] kaiming-uniform
+  as PEFT initialises it, B [out, r] zeros, so training starts at the base model.
+- `LoRAExperts` wraps a transformers experts module (3D `gate_up_proj` / `down_proj`,
+  [E, out, in], or [E, in, out] when `is_transposed` as gpt-oss stores them, gate/up
+  interleaved there): per expert A [E, r, in], B [E, out, r] on both projections, run as
+  grouped GEMMs over expert-sorted pairs (train/moe.py). Out rows of gate_up keep the
+  checkpoint's order (gpt-oss: interleaved), as PEFT's target_parameters layout does.
+The LoRA factors stay float32 (the optimizer's master copy) and are cast to the
+activations' dtype in the forward; every base parameter is frozen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loraplex.train.moe import ExpertProjection, sort_pairs
+
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]  # module names, plus "experts" for MoE experts
+    use_rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def _init_a(a: torch.Tensor) -> None:
+    # PEFT: kaiming_uniform_(a=sqrt(5)) on each [r * E, in] lora_A, i.e. bound 1/sqrt(in).
+    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, spec: LoRASpec):
+        super().__init__()
+        self.base_layer, self.scale = base, spec.scale
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(spec.rank, base.in_features, device=dev))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, spec.rank, device=dev))
+        _init_a(self.lora_A.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        return self.base_layer(x) + self.scale * nn.functional.linear(nn.functional.linear(x, a), b)
+
+
+def is_experts(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+               for p in EXPERT_PARAMS)
+
+
+class LoRAExperts(nn.Module):
+    """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights)."""
+
+    def __init__(self, base: nn.Module, spec: LoRASpec, backend: str = "loop"):
+        super().__init__()
+        self.base_layer, self.scale, self.backend = base, spec.scale, backend
+        self.transposed = bool(getattr(base, "is_transposed", False))
+        self.num_experts = base.gate_up_proj.shape[0]
+        for p in EXPERT_PARAMS:
+            e, in_f, out_f = self.in_out(p)
+            dev = getattr(base, p).device
+            a = nn.Parameter(torch.empty(e, spec.rank, in_f, device=dev))
+            _init_a(a.data)
+            setattr(self, f"{p}_A", a)
+            setattr(self, f"{p}_B", nn.Parameter(torch.zeros(e, out_f, spec.rank, device=dev)))
+
+    def in_out(self, param: str) -> tuple[int, int, int]:
+        e, d1, d2 = getattr(self.base_layer, param).shape
+        return (e, d1, d2) if self.transposed else (e, d2, d1)
+
+    def _project(self, x, param: str, experts: torch.Tensor, groups) -> torch.Tensor:
+        w = getattr(self.base_layer, param)
+        w = w if self.transposed else w.transpose(1, 2)  # [E, in, out]
+        a = getattr(self, f"{param}_A").to(x.dtype).transpose(1, 2)  # [E, in, r]
+        b = getattr(self, f"{param}_B").to(x.dtype).transpose(1, 2)  # [E, r, out]
+        y = ExpertProjection.apply(x, w, a, b, self.scale, groups, self.backend)
+        bias = getattr(self.base_layer, f"{param}_bias", None)
+        return y if bias is None else y + bias[experts]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        order, tokens, experts, groups = sort_pairs(top_k_index, self.num_experts)
+        x = hidden_states[tokens]  # the one copy of the routed rows, sorted by expert
+        h = self.base_layer._apply_gate(self._project(x, "gate_up_proj", experts, groups))
+        y = self._project(h, "down_proj", experts, groups)
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        return hidden_states.new_zeros(hidden_states.shape).index_add(0, tokens, y)
+
+
+def default_targets(model: nn.Module) -> tuple[str, ...]:
+    """Every linear projection of attention and MLP; on an MoE model attention + experts."""
+    if any(is_experts(m) for m in model.modules()):
+        return (*LINEAR_TARGETS[:4], "experts")
+    return LINEAR_TARGETS
+
+
+def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> dict[str, nn.Module]:
+    """Freeze the model and wrap every targeted module in place; module path -> wrapper."""
+    model.requires_grad_(False)
+    linear = set(spec.targets) - {"experts"}
+    unknown = linear - set(LINEAR_TARGETS)
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {sorted(unknown)}: use {LINEAR_TARGETS} or 'experts'")
+    moe = any(is_experts(m) for m in model.modules())
+    if moe and linear & set(MLP_TARGETS):
+        # PEFT (with transformers 5) reads these names on an MoE model as the experts of
+        # transformers 4 and converts them to target_parameters: the adapter would not load.
+        raise ValueError(f"{sorted(linear & set(MLP_TARGETS))} on an MoE model: PEFT reads them as its "
+                         "experts; target 'experts' (attention and experts train, dense MLPs stay frozen)")
+    wrapped: dict[str, nn.Module] = {}
+    for name, module in list(model.named_modules()):
+        if name.rsplit(".", 1)[-1] in linear and isinstance(module, nn.Linear):
+            wrapped[name] = LoRALinear(module, spec)
+        elif "experts" in spec.targets and is_experts(module):
+            wrapped[name] = LoRAExperts(module, spec, moe_backend)
+    hit = {n.rsplit(".", 1)[-1] for n, m in wrapped.items() if isinstance(m, LoRALinear)}
+    if any(isinstance(m, LoRAExperts) for m in wrapped.values()):
+        hit.add("experts")
+    if set(spec.targets) - hit:
+        raise ValueError(f"LoRA targets {sorted(set(spec.targets) - hit)} match nothing in this model")
+    for name, wrapper in wrapped.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, wrapper)
+    return wrapped
+
+
+def lora_parameters(wrapped: dict[str, nn.Module]) -> list[nn.Parameter]:
+    """The trainable tensors, in a fixed order (the optimizer state's order)."""
+    return [p for _, m in sorted(wrapped.items()) for n, p in m.named_parameters() if "base_layer" not in n]

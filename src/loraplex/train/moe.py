@@ -1,0 +1,159 @@
+"""Grouped expert GEMMs for MoE LoRA training.
+
+The (token, expert) pairs of a step are sorted by expert, so the rows routed to expert e
+form one contiguous block of the gathered input. Every expert projection is then
+`y_e = x_e W_e + s (x_e A_e) B_e` on its block: base plus LoRA through the rank-r
+intermediate, never the [out, in] product B_e A_e. `ExpertProjection` is the autograd
+function of that: it returns gradients for x, A and B only; the frozen base weight never
+gets one (not even computed and thrown away).
+
+Backends (one per call site, picked by `resolve_backend`, override with --moe-backend):
+- "loop": one matmul per expert that has rows; any device, dtype and shape.
+- "grouped_mm": torch's grouped GEMM (`torch.nn.functional.grouped_mm`, or
+  `torch._grouped_mm` before 2.10), one launch for all experts, in the forward and in the
+  backward (the weight gradients as its K-grouped 2d x 2d form). Auto picks it on CUDA
+  (sm80+) in bf16. It needs 16-byte aligned strides; a call it refuses (e.g. rank 4 in
+  bf16) runs on the loop instead, with one warning per shape.
+The gathered input is copied once (one row per pair); torch's grouped GEMM cannot gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("loraplex")
+
+BACKENDS = ("auto", "loop", "grouped_mm")
+
+
+def _grouped_mm_op():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"moe backend {name!r}: one of {BACKENDS}")
+    if name == "grouped_mm" and _grouped_mm_op() is None:
+        raise ValueError(f"torch {torch.__version__} has no grouped_mm")
+    if name != "auto":
+        return name
+    device = torch.device(device)
+    if (device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm_op() is not None
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
+        return "grouped_mm"
+    return "loop"
+
+
+@dataclass
+class Groups:
+    """Row blocks of the expert-sorted pairs: `offsets[e]` is where block e ends (int32,
+    on the device, what grouped_mm takes); `ends` the same on the host, read only by the
+    loop (one device -> host copy per layer)."""
+
+    offsets: torch.Tensor
+    _ends: list[int] | None = None
+
+    @property
+    def ends(self) -> list[int]:
+        if self._ends is None:
+            self._ends = self.offsets.tolist()
+        return self._ends
+
+    def blocks(self):
+        start = 0
+        for e, end in enumerate(self.ends):
+            yield e, start, end
+            start = end
+
+
+_refused: set[tuple] = set()
+
+
+def _grouped(fn, key: tuple):
+    """Run fn on the grouped kernel, or return None if it refuses these shapes/strides."""
+    if key in _refused:
+        return None
+    try:
+        return fn()
+    except (RuntimeError, ValueError) as err:  # shape / stride checks: on the host, before any launch
+        _refused.add(key)
+        logger.warning("grouped_mm refused %s (%s); those run as a per-expert loop", key, err)
+        return None
+
+
+def gmm(x: torch.Tensor, w: torch.Tensor, groups: Groups, backend: str) -> torch.Tensor:
+    """x [N, K] in row blocks by expert, w [E, K, M] (any strides) -> [N, M]: block e @ w[e]."""
+    if backend == "grouped_mm":
+        key = ("gmm", x.dtype, x.shape[1], w.shape[2], w.stride())
+        out = _grouped(lambda: _grouped_mm_op()(x, w, offs=groups.offsets), key)
+        if out is not None:
+            return out
+    out = x.new_empty(x.shape[0], w.shape[2])
+    for e, s, t in groups.blocks():
+        if t > s:
+            torch.mm(x[s:t], w[e], out=out[s:t])
+    return out
+
+
+def outer(a: torch.Tensor, b: torch.Tensor, groups: Groups, backend: str) -> torch.Tensor:
+    """a [N, Ka], b [N, Kb] in row blocks -> [E, Ka, Kb]: a_e^T b_e (a weight gradient)."""
+    if backend == "grouped_mm":
+        key = ("outer", a.dtype, a.shape[1], b.shape[1])
+        out = _grouped(lambda: _grouped_mm_op()(a.t(), b, offs=groups.offsets), key)
+        if out is not None:
+            return out
+    out = a.new_zeros(len(groups.ends), a.shape[1], b.shape[1])
+    for e, s, t in groups.blocks():
+        if t > s:
+            torch.mm(a[s:t].t(), b[s:t], out=out[e])
+    return out
+
+
+class ExpertProjection(torch.autograd.Function):
+    """y = x w_e + scale (x a_e) b_e per row block e.
+
+    x [N, K]; w [E, K, M] frozen; a [E, K, r] and b [E, r, M] the LoRA factors as views
+    (or None: base only). Gradients: x, a, b; never w."""
+
+    @staticmethod
+    def forward(ctx, x, w, a, b, scale: float, groups: Groups, backend: str):
+        y = gmm(x, w, groups, backend)
+        xa = None
+        if a is not None:
+            xa = gmm(x, a, groups, backend)
+            y = y.add_(gmm(xa, b, groups, backend), alpha=scale)
+        ctx.save_for_backward(x, w, a, b, xa)
+        ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, a, b, xa = ctx.saved_tensors
+        s, groups, backend = ctx.scale, ctx.groups, ctx.backend
+        g = g.contiguous()  # e.g. the expanded gradient of a sum
+        gx = ga = gb = gxa = None
+        if a is not None:
+            gxa = gmm(g, b.transpose(1, 2), groups, backend).mul_(s)  # [N, r]
+            if ctx.needs_input_grad[3]:
+                gb = outer(xa, g, groups, backend).mul_(s)
+            if ctx.needs_input_grad[2]:
+                ga = outer(x, gxa, groups, backend)
+        if ctx.needs_input_grad[0]:
+            gx = gmm(g, w.transpose(1, 2), groups, backend)
+            if gxa is not None:
+                gx = gx.add_(gmm(gxa, a.transpose(1, 2), groups, backend))
+        return gx, None, ga, gb, None, None, None
+
+
+def sort_pairs(top_k_index: torch.Tensor, num_experts: int):
+    """Pairs sorted by expert: (order into the flattened [T * k] pairs, token of each
+    sorted pair, expert of each sorted pair, Groups)."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    groups = Groups(counts.cumsum(0).to(torch.int32))
+    return order, order // top_k_index.shape[1], flat[order], groups

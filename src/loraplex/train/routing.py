@@ -1,0 +1,87 @@
+"""Routing replay: a gradient-checkpointed MoE layer routes its tokens as it did in the
+forward when backward recomputes it.
+
+Recomputation re-runs the router on recomputed hidden states; on a GPU those can differ
+in the last bit, and a top-k near a tie then picks another expert, so the recomputed
+layer would not be the one whose activations the loss saw. `ReplayedRouter` replaces the
+router: a call outside backward chooses the experts and records them (the one top-k of
+the step); the call a checkpoint recompute makes inside backward keeps the recorded
+experts and recomputes only their weights from the new logits, so gradients still flow
+through the routing weights into earlier layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _softmax_then_topk(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
+    # Qwen3-MoE, Mixtral: softmax over all experts, keep the top-k, renormalise (Mixtral
+    # always; Qwen3-MoE when norm_topk_prob).
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    if index is None:
+        index = torch.topk(probs.detach(), router.top_k, dim=-1).indices
+    w = probs.gather(-1, index)
+    if getattr(router, "norm_topk_prob", True):
+        w = w / w.sum(dim=-1, keepdim=True)
+    return (w.to(logits.dtype) if type(router).__name__.startswith("Qwen3") else w), index
+
+
+def _topk_then_softmax(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
+    # gpt-oss: top-k of the logits, softmax over those k.
+    if index is None:
+        index = torch.topk(logits.detach(), router.top_k, dim=-1).indices
+    return torch.softmax(logits.gather(-1, index), dim=1), index
+
+
+# Router class -> (logits, experts or None to choose them) -> (weights, experts), as the
+# class computes them in transformers (tests check every one against it).
+ROUTERS = {
+    "Qwen3MoeTopKRouter": _softmax_then_topk,
+    "MixtralTopKRouter": _softmax_then_topk,
+    "GptOssTopKRouter": _topk_then_softmax,
+}
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (where checkpoint recomputes run)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ReplayedRouter(nn.Module):
+    """A top-k router returning (logits, weights, experts) like transformers' own.
+
+    Both calls run the same differentiable ops (logits, then weights gathered at the
+    experts), only the choice of experts (no gradient) is skipped on replay: torch's
+    checkpoint requires a recompute to save the same tensors as the forward did."""
+
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+        self.route = ROUTERS[type(base).__name__]
+        self.recorded: torch.Tensor | None = None
+        self.replays = 0  # recomputes that reused the recorded experts (tests read it)
+
+    def forward(self, hidden_states: torch.Tensor):
+        h = hidden_states.reshape(-1, self.base.weight.shape[1])
+        logits = nn.functional.linear(h, self.base.weight, getattr(self.base, "bias", None))
+        replay = in_backward() and self.recorded is not None and self.recorded.shape[0] == h.shape[0]
+        weights, index = self.route(self.base, logits, self.recorded if replay else None)
+        if replay:
+            self.replays += 1
+        else:
+            self.recorded = index
+        return logits, weights, index
+
+
+def install_routing_replay(model: nn.Module) -> list[ReplayedRouter]:
+    """Wrap every known router of the model (an MoE block's `gate` or `router`)."""
+    wrapped = []
+    for module in list(model.modules()):
+        for attr in ("gate", "router"):
+            child = getattr(module, attr, None)
+            if isinstance(child, nn.Module) and type(child).__name__ in ROUTERS:
+                wrapped.append(ReplayedRouter(child))
+                setattr(module, attr, wrapped[-1])
+    return wrapped

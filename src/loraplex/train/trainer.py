@@ -1,0 +1,193 @@
+"""The training loop: AdamW over the LoRA tensors only, gradient accumulation, warmup +
+cosine (or constant) learning rate, a progress bar with loss and tokens/s, checkpoints
+that resume bit-identically on CPU, and the final PEFT adapter.
+
+A step is one optimizer update over `grad_accum` micro-batches; its loss is the mean over
+every trained token of those micro-batches (each micro-batch's summed loss is divided by
+the step's token count before its backward, so accumulation equals one large batch).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.train import data
+from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
+from loraplex.train.moe import resolve_backend
+from loraplex.train.routing import install_routing_replay
+from loraplex.train.save import save_adapter
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: str
+    out: str
+    rank: int = 16
+    alpha: float | None = None  # default 2 * rank
+    targets: list[str] | None = None  # default: lora.default_targets(model)
+    rslora: bool = False
+    lr: float = 2e-4
+    epochs: int = 1
+    max_steps: int | None = None
+    max_seq_len: int = 2048
+    batch_size: int = 4
+    grad_accum: int = 1
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    warmup_steps: int = 0
+    lr_scheduler: str = "cosine"  # or "constant"
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    save_steps: int = 200
+    resume: str | None = None  # a checkpoint dir, or "latest" (in `out`)
+    moe_backend: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"  # bf16 on CUDA, float32 on CPU
+    progress: bool = True
+
+
+# What a resumed run may change: where and how it runs, when it stops or checkpoints.
+_RESUMABLE_CHANGES = ("out", "resume", "progress", "max_steps", "save_steps", "device", "dtype",
+                      "moe_backend", "gradient_checkpointing")
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of each token predicting the next labelled one."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=data.IGNORE, reduction="sum")
+
+
+def _schedule(cfg: TrainConfig, total: int):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_scheduler == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def load_model(cfg: TrainConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device)
+    model.config.use_cache = False
+    return model, AutoTokenizer.from_pretrained(cfg.model)
+
+
+def prepare(model, cfg: TrainConfig):
+    """Inject LoRA (seeded), routing replay and gradient checkpointing -> (spec, wrapped)."""
+    param = next(model.parameters())
+    spec = LoRASpec(cfg.rank, float(cfg.alpha if cfg.alpha is not None else 2 * cfg.rank),
+                    tuple(cfg.targets or default_targets(model)), cfg.rslora)
+    torch.manual_seed(cfg.seed)
+    wrapped = inject_lora(model, spec, resolve_backend(cfg.moe_backend, param.device, param.dtype))
+    install_routing_replay(model)
+    if cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    return spec, wrapped
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward (torch's non-reentrant checkpoint)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def accumulate(model, batches: list[dict[str, torch.Tensor]]) -> float:
+    """Forward + backward of a step's micro-batches; returns the step's mean token loss."""
+    n_trained = max(1, sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in batches))
+    device = next(model.parameters()).device
+    total = 0.0
+    for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        loss = causal_lm_loss_sum(logits, b["labels"]) / n_trained
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def train(cfg: TrainConfig) -> list[float]:
+    """Run the training; returns the loss of each step this run took."""
+    out = Path(cfg.out)
+    model, tokenizer = load_model(cfg)
+    spec, wrapped = prepare(model, cfg)
+    params = lora_parameters(wrapped)
+    examples = data.load_examples(cfg.data, tokenizer, cfg.max_seq_len)
+    pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+    per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    micro_total = per_epoch * cfg.epochs
+    total = math.ceil(micro_total / cfg.grad_accum)
+    total = min(total, cfg.max_steps) if cfg.max_steps else total
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg, total))
+    fingerprint = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE_CHANGES}
+    step = 0
+    if cfg.resume:
+        found = checkpoints(out) if cfg.resume == "latest" else [Path(cfg.resume)]
+        if found:  # "latest" with none yet starts from scratch
+            step = load_checkpoint(found[-1], wrapped, opt, sched, fingerprint)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "train_log.jsonl"
+    kept = log.read_text().splitlines() if step and log.exists() else []
+    log.write_text("".join(line + "\n" for line in kept if json.loads(line)["step"] <= step))
+
+    @functools.lru_cache(maxsize=2)
+    def epoch(e: int) -> list[list[int]]:
+        return data.epoch_batches(len(examples), cfg.batch_size, cfg.seed, e)
+
+    def micro_batch(m: int) -> dict[str, torch.Tensor]:
+        e, pos = divmod(m, per_epoch)
+        return data.collate([examples[i] for i in epoch(e)[pos]], pad_id)
+
+    from tqdm.auto import tqdm
+
+    model.train()
+    bar = tqdm(total=total, initial=step, desc="train", disable=not cfg.progress)
+    losses = []
+    while step < total:
+        t0 = time.perf_counter()
+        ms = range(step * cfg.grad_accum, min((step + 1) * cfg.grad_accum, micro_total))
+        batches = [micro_batch(m) for m in ms]
+        loss = accumulate(model, batches)
+        if cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(loss)
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        tok_s = tokens / (time.perf_counter() - t0)
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
+        bar.update(1)
+        with log.open("a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "tokens": tokens}) + "\n")
+        if cfg.save_steps and step % cfg.save_steps == 0 and step < total:
+            ckpt = out / f"checkpoint-{step}"
+            save_checkpoint(ckpt, wrapped, spec, cfg.model, opt, sched, step, fingerprint)
+            for old in checkpoints(out)[:-2]:
+                shutil.rmtree(old)  # keep the two newest
+    bar.close()
+    save_adapter(out, wrapped, spec, cfg.model)
+    return losses
