@@ -263,3 +263,23 @@ def test_pinned_pool_is_bounded_and_reused():
     pool.give(bufs[0], None)
     assert pool.take(5000) is None, "too big for a pool buffer"
     assert pool.take(3000).data_ptr() == bufs[0].data_ptr(), "buffers are reused"
+
+
+def test_converted_adapter_outlives_its_file_buffer(model_dirs, tmp_path):
+    """A float32 DoRA file loaded for a bf16 model is converted out of the buffer the file
+    was read into; that buffer then goes back to the pinned pool and is reused, so
+    nothing of the adapter (magnitudes included) may still point into it."""
+    from loraplex.adapters.peft import read_adapter_dir, to_canonical
+    from loraplex.models.weights import adapter_targets
+
+    dora = _dora_adapter(model_dirs["llama"], tmp_path / "dora")
+    llm = make_llm(model_dirs["llama"])
+    slab = torch.zeros(1 << 22, dtype=torch.uint8)
+    config, tensors = read_adapter_dir("dora", dora, into=slab)
+    adapter = to_canonical("k", "dora", str(dora), config, tensors,
+                           adapter_targets(llm.engine.runner.model), 16, torch.bfloat16)
+    before = {m: v.clone() for m, v in adapter.magnitudes.items()}
+    slab.fill_(0xFF)  # the next load's bytes (NaN as float32)
+    for m, v in adapter.magnitudes.items():
+        assert torch.equal(v, before[m]), m
+    assert all(torch.isfinite(t.float()).all() for a, b in adapter.weights.values() for t in (a, b))

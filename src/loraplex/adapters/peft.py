@@ -178,7 +178,9 @@ def to_canonical(
             raise AdapterTooLarge(name, f"rank {r} of {module} exceeds max_lora_rank={max_rank}")
         weights[module] = (a, b, scaling_of(module, r))
         if use_dora:
-            mag = ab["m"].float().reshape(-1)
+            # A copy: the file's buffer goes back to the pinned pool when A and B were
+            # converted out of it, and a view would then read another adapter's bytes.
+            mag = ab["m"].to(torch.float32, copy=True).reshape(-1)
             if mag.shape != (out_f,) or not torch.isfinite(mag).all():
                 raise AdapterInvalid(name, f"{module}: bad magnitude vector {tuple(ab['m'].shape)}")
             magnitudes[module] = mag.contiguous()
