@@ -447,9 +447,33 @@ def test_default_model_serves_the_demo_adapters():
     adapters = dict(demo_adapters())
     assert set(adapters) == {"terse", "json"}
     for path in adapters.values():
-        config = json.loads((Path(path) / "adapter_config.json").read_text())
-        assert config["r"] <= 64 and (Path(path) / "adapter_model.safetensors").stat().st_size < 16 * 2**20
+        assert (Path(path) / "adapter_model.safetensors").stat().st_size < 8 * 2**20
     assert lora_modules(parser.parse_args([])) == [f"{n}={p}" for n, p in adapters.items()]
     assert lora_modules(parser.parse_args(["--no-demo-adapters"])) == []
     assert lora_modules(parser.parse_args(["/some/model"])) == []
     assert lora_modules(parser.parse_args(["--lora-modules", "mine=/a"])) == ["mine=/a"]
+
+
+def test_demo_adapters_fit_the_default_model(tmp_path):
+    """The shipped adapters load into a model of Gemma 3 270M's shapes (random weights,
+    a small vocabulary: nothing downloaded) and change its output."""
+    from transformers import Gemma3TextConfig
+
+    from loraplex.bench.synthetic import write_word_tokenizer
+    from loraplex.server.run import demo_adapters
+
+    local, full = "sliding_attention", "full_attention"
+    Gemma3TextConfig(
+        vocab_size=384, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=512, layer_types=([local] * 5 + [full]) * 3, bos_token_id=1, eos_token_id=2,
+        architectures=["Gemma3ForCausalLM"],
+    ).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 384, 1, 2)
+    llm = make_llm(tmp_path, load_format="dummy", dtype="float32", max_lora_rank=8, max_model_len=64,
+                   num_gpu_blocks_override=16)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    loras = [None] + [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(demo_adapters())]
+    outs = llm.generate(["t5 t6 t7"] * len(loras), sp, loras, use_tqdm=False)
+    logprobs = [out.outputs[0].cumulative_logprob for out in outs]
+    assert len(set(logprobs)) == len(loras), "each adapter changes the output"
