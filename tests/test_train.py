@@ -217,6 +217,11 @@ def test_labels_mask_everything_but_the_answer(moe_dirs):
     assert ex.input_ids == [3, 10, 11, 2, 4, 12, 2, 3, 13, 2, 4, 14, 15, 2]
     # Each assistant turn: its content and the end of turn; never its "t4" header.
     assert ex.labels == [-100] * 5 + [12, 2] + [-100] * 4 + [14, 15, 2]
+    # A template whose turns end without EOS (a plain word here, a newline in the default
+    # model's): the last assistant turn also trains EOS, so the model learns to stop.
+    tok.chat_template = "{% for m in messages %}{{ m.content }} t7 {% endfor %}"
+    ex = data.encode(tok, {"messages": messages[:2]})
+    assert ex.input_ids == [10, 11, 7, 12, 7, EOS] and ex.labels == [-100] * 3 + [12, 7, EOS]
     # A template that marks the last turn: earlier turns render otherwise once more follow.
     tok.chat_template = "{% for m in messages %}{% if loop.last %}t9 {% endif %}{{ m.content }} {% endfor %}"
     with pytest.raises(ValueError, match="one record per assistant turn"):

@@ -66,6 +66,12 @@ def encode_messages(tokenizer, messages: list[dict]) -> Example:
         ids += piece
         labels += piece if trained else [IGNORE] * len(piece)
         start = max(start, end)
+    # A template may end a turn without EOS (e.g. a bare newline); ending on an assistant
+    # turn then also trains EOS, or the model never learns to stop.
+    eos = tokenizer.eos_token_id
+    if messages and messages[-1].get("role") == "assistant" and eos is not None and eos not in ids[-2:]:
+        ids.append(eos)
+        labels.append(eos)
     return Example(ids, labels)
 
 
