@@ -208,36 +208,30 @@ def to_canonical(
 
 def _experts_in(experts: dict[str, ExpertLoRA], dtype: torch.dtype) -> dict[str, ExpertLoRA]:
     """Expert tensors in the model's dtype, in one (page-locked if CUDA) buffer."""
-    tensors = [t for x in experts.values() for t in x.tensors()]
-    if not tensors:
-        return {}
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=torch.cuda.is_available())
-    out, offset = {}, 0
-    for path, x in experts.items():
-        parts = []
-        for t in (x.a_gate_up, x.b_gate_up, x.a_down, x.b_down):
-            if t is None:
-                parts.append(None)
-                continue
-            view = buf[offset : offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            offset += t.numel()
-            parts.append(view)
-        out[path] = ExpertLoRA(*parts)
-    return out
+    fields = [(path, i, t) for path, x in experts.items()
+              for i, t in enumerate((x.a_gate_up, x.b_gate_up, x.a_down, x.b_down)) if t is not None]
+    parts = {path: [None] * 4 for path in experts}
+    for (path, i, _), view in zip(fields, _packed([t for _, _, t in fields], dtype)):
+        parts[path][i] = view
+    return {path: ExpertLoRA(*p) for path, p in parts.items()}
 
 
 def _converted(weights: dict, dtype: torch.dtype) -> dict:
     """A and B cast to the model's dtype, into one new (page-locked if CUDA) buffer."""
-    tensors = [t for a, b, _ in weights.values() for t in (a, b)]
+    it = iter(_packed([t for a, b, _ in weights.values() for t in (a, b)], dtype))
+    return {m: (next(it), next(it), s) for m, (_, _, s) in weights.items()}
+
+
+def _packed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Copies of `tensors` in `dtype`, back to back in one (page-locked if CUDA) buffer."""
     buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=torch.cuda.is_available())
     out, offset = [], 0
     for t in tensors:
         out.append(buf[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
-    torch._foreach_copy_(out, tensors)
-    it = iter(out)
-    return {m: (next(it), next(it), s) for m, (_, _, s) in weights.items()}
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

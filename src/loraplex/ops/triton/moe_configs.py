@@ -55,7 +55,11 @@ def load_configs(file_name: str) -> dict[int, dict] | None:
 
 def nearest(table: dict[int, dict], num_tokens: int) -> dict:
     """The entry tuned for the token count nearest `num_tokens` (the smaller on ties)."""
-    return dict(table[min(table, key=lambda m: (abs(m - num_tokens), m))])
+    return dict(table[_nearest_count(table, num_tokens)])
+
+
+def _nearest_count(table: dict[int, dict], num_tokens: int) -> int:
+    return min(table, key=lambda m: (abs(m - num_tokens), m))
 
 
 def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
@@ -66,11 +70,10 @@ def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
     table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype))
     if not table:
         return None
-    cfg = nearest(table, num_tokens)
-    m = min(table, key=lambda m: (abs(m - num_tokens), m))
+    m = _nearest_count(table, num_tokens)
     # A config tuned for a very different token count (decode vs prefill) is worse than
     # the defaults, whose tiles follow the rows per expert.
-    return cfg if m / 2 <= num_tokens <= 2 * m else None
+    return dict(table[m]) if m / 2 <= num_tokens <= 2 * m else None
 
 
 def save_configs(path: Path, table: dict[int, dict]) -> None:
