@@ -1,4 +1,5 @@
-"""What the LoRA kernels share: the tiles a segmented launch covers, slice offsets.
+"""What the LoRA kernels share: the tiles a segmented launch covers, slice offsets and
+the alignment hints that let them move whole 16-byte vectors.
 
 Tiles: which (adapter group, token block) pairs a segmented (SGMV) launch covers.
 
@@ -11,8 +12,11 @@ without tokens exit at once (with BLOCK_M >= the batch size that is one tile a g
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
+import triton.language as tl
 
 from loraplex.device import to_device
 from loraplex.ops.metadata import LoRABatch
@@ -49,3 +53,21 @@ def slice_starts(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
             starts.append(starts[-1] + n)
         _slice_starts[key] = torch.tensor(starts, dtype=torch.int32, device=device)
     return _slice_starts[key]
+
+
+@triton.jit
+def rank_ceil(rank):
+    """`rank` rounded up to 8 (one 16-byte bf16 vector), marked as such for the compiler.
+    Reading B up to it
+    instead of `rank` keeps the loads vectorized and adds only zeros: slots keep B's
+    columns past the adapter's rank at zero."""
+    return tl.multiple_of((rank + 7) // 8 * 8, 8)
+
+
+def column_alignment(sizes: tuple[int, ...]) -> int:
+    """The largest power of two up to 16 dividing every slice offset: the hint that tells a
+    kernel its slice boundaries (loaded from memory) fall on whole vectors."""
+    g = 0
+    for n in sizes:
+        g = math.gcd(g, n)
+    return math.gcd(g, 16) or 1

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.triton.lora_common import lora_tiles, slice_starts
+from loraplex.ops.triton.lora_common import column_alignment, lora_tiles, rank_ceil, slice_starts
 from loraplex.ops.triton.precision import dot_settings
 
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
@@ -43,13 +43,14 @@ def _lora_expand_kernel(
     N_BLOCKS_PER_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    EXPLICIT_TILES: tl.constexpr,
+    EXPLICIT_TILES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     pid_sn = tl.program_id(0)  # slice * N_BLOCKS_PER_SLICE + column block
     tile = tl.program_id(1)
     s = pid_sn // N_BLOCKS_PER_SLICE
-    col0 = tl.load(slice_starts_ptr + s)
-    col_end = tl.load(slice_starts_ptr + s + 1)
+    # Alignment hints: offsets loaded from memory would otherwise make every y access 2 bytes.
+    col0 = tl.multiple_of(tl.load(slice_starts_ptr + s), ALIGN)
+    col_end = tl.multiple_of(tl.load(slice_starts_ptr + s + 1), ALIGN)
     n0 = col0 + (pid_sn % N_BLOCKS_PER_SLICE) * BLOCK_N
     if n0 >= col_end:
         return
@@ -71,9 +72,10 @@ def _lora_expand_kernel(
     r_mask = offs_r < rank
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < col_end
+    # B is zero past the rank in every slot: read whole vectors up to the rounded rank.
     w = tl.load(
         b_ptr + slot * stride_wl + offs_n[None, :] * stride_wn + offs_r[:, None] * stride_wr,
-        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+        mask=(offs_r < rank_ceil(rank))[:, None] & n_mask[None, :], other=0.0,
     )
     if UPCAST:
         w = w.to(tl.float32)
@@ -123,5 +125,6 @@ def lora_expand_sgmv(
         TILE_BLOCKS=cfg["TILE_BLOCKS"],
         **dot_settings(lora_b.dtype),
         EXPLICIT_TILES=tiles is not None,
+        ALIGN=column_alignment(slice_sizes),
         num_warps=cfg["num_warps"],
     )

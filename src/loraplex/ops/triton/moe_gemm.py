@@ -53,7 +53,7 @@ def _moe_gemm_kernel(
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
     pid = tl.program_id(0)
@@ -107,7 +107,10 @@ def _moe_gemm_kernel(
     if MUL_ROUTED_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if EVEN_N:  # rows alone masked: 16-byte stores (a mask against the runtime N splits them)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def moe_gemm(
@@ -134,6 +137,6 @@ def moe_gemm(
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, **dot_settings(w.dtype),
+        EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

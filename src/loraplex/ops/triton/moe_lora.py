@@ -77,7 +77,7 @@ def _moe_lora_expand_kernel(
     N, num_pairs, num_experts,
     stride_bm, stride_br, stride_wl, stride_we, stride_wn, stride_wr, stride_ym, stride_yn,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     blk = tl.program_id(0)
     if blk * BLOCK_M >= tl.load(num_valid_ptr):
@@ -99,7 +99,9 @@ def _moe_lora_expand_kernel(
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
     y = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask = m_mask[:, None] & n_mask[None, :]
+    # EVEN_N: rows alone are masked, so y moves in 16-byte vectors (a mask against the
+    # runtime N would split every access into single elements).
+    mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
     out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -128,6 +130,6 @@ def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, y: t
         buf, lora_b, y, align.sorted_ids, align.block_groups, align.num_valid,
         n, align.num_pairs, num_experts,
         *buf.stride(), *lora_b.stride(), *y.stride(),
-        R=rank, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_R=block_r,
+        R=rank, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_R=block_r, EVEN_N=n % BLOCK_N == 0,
         **dot_settings(lora_b.dtype), num_warps=NUM_WARPS,
     )

@@ -1,0 +1,93 @@
+"""Compile the hot Triton kernels for an H100/H200 (sm_90) without a GPU and count their
+global memory instructions by width. Run by test_codegen.py in a process without
+TRITON_INTERPRET (the interpreter replaces the compiler). Prints JSON: kernel -> counts.
+
+Why: a mask or an offset whose alignment the compiler cannot prove (a bound loaded from
+memory, a runtime N) silently turns 16-byte vector accesses into 2-byte ones; the
+kernels stay correct and get several times slower. Nothing but the generated code shows it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def const(v):
+    return ("constexpr", v)
+
+
+def compile_ptx(fn, args: dict, num_warps: int = 4) -> str:
+    """args: parameter -> '*bf16'-style pointer type, int value (specialized as the launcher
+    would: 1 becomes a constant, multiples of 16 carry the divisibility attribute unless
+    the parameter is in do_not_specialize) or const(value)."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        v = args[name]
+        if isinstance(v, tuple):
+            sig[name], consts[name] = "constexpr", v[1]
+        elif isinstance(v, str):
+            sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif v == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0 and name not in fn.do_not_specialize and i not in fn.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def widths(ptx: str) -> dict:
+    counts = Counter()
+    for op, vec, bits in re.findall(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.(v[248]))?\.(b\d+)", ptx):
+        counts[f"{op}.{vec + '.' if vec else ''}{bits}"] += 1
+    return dict(counts)
+
+
+def kernels() -> dict:
+    mod = lambda name: importlib.import_module(f"loraplex.ops.triton.{name}")  # noqa: E731
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    tf32 = dict(DOT_PRECISION=const("tf32"), UPCAST=const(False))
+    qkv = 6144  # Llama-3.1-8B q/k/v output width; rank 16, 32 slots
+    out = {}
+    out["lora_expand_gemv"] = compile_ptx(mod("lora_expand_gemv")._expand_gemv_kernel, dict(
+        buf_ptr=f32, b_ptr=bf, y_ptr=bf, token_slot_ptr=i32, slot_ranks_ptr=i32, slice_starts_ptr=i32,
+        stride_bs=32 * 16, stride_bm=16, stride_wl=qkv * 16, stride_wn=16, stride_ym=qkv,
+        N_BLOCKS_PER_SLICE=const(16), BLOCK_N=const(256), BLOCK_R=const(16), ALIGN=const(16)))
+    out["lora_expand_sgmv"] = compile_ptx(mod("lora_expand_sgmv")._lora_expand_kernel, dict(
+        buf_ptr=f32, b_ptr=bf, y_ptr=bf, sorted_ids_ptr=i32, group_slots_ptr=i32,
+        group_starts_ptr=i32, group_ranks_ptr=i32, tiles_ptr=i32, num_tiles=7, m_blocks=3,
+        slice_starts_ptr=i32, stride_bs=8192 * 16, stride_bm=16, stride_br=1,
+        stride_wl=qkv * 16, stride_wn=16, stride_wr=1, stride_ym=qkv, stride_yn=1,
+        N_BLOCKS_PER_SLICE=const(32), BLOCK_M=const(64), BLOCK_N=const(128), BLOCK_R=const(16),
+        TILE_BLOCKS=const(4), EXPLICIT_TILES=const(True), ALIGN=const(16), **tf32))
+    h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
+    for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
+        out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(
+            a_ptr=bf, w_ptr=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, sorted_ids_ptr=i32,
+            block_experts_ptr=i32, num_valid_ptr=i32, N=n, K=k, num_pairs=5, num_blocks=7, limit=3,
+            stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
+            stride_bn=0, stride_om=n, stride_on=1, ROW_DIV=const(8 if fuse else 1),
+            HAS_BIAS=const(False), FUSE_ACT=const(fuse), ACTIVATION=const("silu"), ALPHA=const(1.702),
+            MUL_ROUTED_WEIGHT=const(not fuse), BLOCK_M=const(64), BLOCK_N=const(128),
+            BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True), **tf32),
+            num_warps=8)
+    out["moe_lora_expand"] = compile_ptx(mod("moe_lora")._moe_lora_expand_kernel, dict(
+        buf_ptr=f32, b_ptr=bf, y_ptr=f32, sorted_ids_ptr=i32, block_groups_ptr=i32, num_valid_ptr=i32,
+        N=2 * inter, num_pairs=5, num_experts=experts, stride_bm=r, stride_br=1,
+        stride_wl=experts * 2 * inter * r, stride_we=2 * inter * r, stride_wn=r, stride_wr=1,
+        stride_ym=2 * inter, stride_yn=1, R=const(r), BLOCK_M=const(64), BLOCK_N=const(128),
+        BLOCK_R=const(r), EVEN_N=const(True), **tf32))
+    return {name: widths(ptx) for name, ptx in out.items()}
+
+
+if __name__ == "__main__":
+    print(json.dumps(kernels()))
