@@ -139,6 +139,14 @@ def test_tuned_config_files(tmp_path, monkeypatch):
     moe_configs.load_configs.cache_clear()
     loaded = moe_configs.load_configs(name)
     assert loaded == table
+    # A later run for other token counts keeps these entries; the same count is replaced.
+    moe_configs.save_configs(tmp_path / name, {64: cfg, 4096: {**cfg, "BLOCK_M": 128}})
+    moe_configs.load_configs.cache_clear()
+    assert moe_configs.load_configs(name) == {**table, 64: cfg, 4096: {**cfg, "BLOCK_M": 128}}
+    (tmp_path / name).unlink()
+    moe_configs.save_configs(tmp_path / name, table)
+    moe_configs.load_configs.cache_clear()
+    loaded = moe_configs.load_configs(name)
     assert moe_configs.nearest(loaded, 20)["BLOCK_M"] == 16
     assert moe_configs.nearest(loaded, 40)["BLOCK_M"] == 32
     assert moe_configs.nearest(loaded, 10_000)["GROUP_M"] == 16
@@ -154,8 +162,8 @@ def test_tuned_config_files(tmp_path, monkeypatch):
 def test_tuner_candidates():
     small = tune_moe.candidates(1, 8, 128, fused=True)
     large = tune_moe.candidates(4096, 8, 128, fused=True)
-    assert small and len(large) > len(small)
-    assert {c["BLOCK_M"] for c in small} == {16} and max(c["BLOCK_M"] for c in large) == 128
+    assert small and large
+    assert {c["BLOCK_M"] for c in small} == {16} and {c["BLOCK_M"] for c in large} == {64, 128}
     for fused, cands in ((True, small + large), (False, tune_moe.candidates(256, 2, 8))):
         for c in cands:
             assert set(c) == set(moe_configs.CONFIG_KEYS)

@@ -77,7 +77,11 @@ def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
 
 
 def save_configs(path: Path, table: dict[int, dict]) -> None:
+    """Writes `table` into the file at `path`, keeping its entries for other token counts
+    (decode and prefill sizes are tuned in separate runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = {str(m): {key: int(cfg[key]) for key in CONFIG_KEYS} for m, cfg in sorted(table.items())}
+    old = {int(m): cfg for m, cfg in json.loads(path.read_text()).items()} if path.is_file() else {}
+    rows = {str(m): {key: int(cfg[key]) for key in CONFIG_KEYS}
+            for m, cfg in sorted({**old, **table}.items())}
     path.write_text(json.dumps(rows, indent=1) + "\n")
     load_configs.cache_clear()

@@ -35,10 +35,12 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 
     pairs per expert (taller blocks are padding), pipelines that fit shared memory."""
     rows = num_tokens * top_k / num_experts
     max_m = max(16, 2 * triton.next_power_of_2(math.ceil(rows)))
+    space = ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5))
+    if rows >= 64:  # prefill: a GEMM per expert; small tiles and short pipelines only lose,
+        # and each config is a compile (~1 s): search the tensor-core sizes alone
+        space = ((64, 128), (64, 128, 256), (64,), (1, 16), (4, 8), (3, 4))
     out = []
-    for bm, bn, bk, gm, warps, stages in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5)
-    ):
+    for bm, bn, bk, gm, warps, stages in itertools.product(*space):
         tiles = bm * bk + bk * bn * (2 if fused else 1)  # A tile, W tile(s) per stage
         if bm > max_m or stages * tiles * elem_bytes > SMEM_BYTES:
             continue
