@@ -72,19 +72,21 @@ def kernels() -> dict:
     h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
         out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(
-            a_ptr=bf, w_ptr=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, sorted_ids_ptr=i32,
+            a_ptr=bf, w_ptr=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, delta_ptr=f32,
+            token_slot_ptr=i32, slot_mask_ptr=i32, sorted_ids_ptr=i32,
             block_experts_ptr=i32, num_valid_ptr=i32, N=n, K=k, num_pairs=5, num_blocks=7, limit=3,
             stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
-            stride_bn=0, stride_om=n, stride_on=1, ROW_DIV=const(8 if fuse else 1),
-            HAS_BIAS=const(False), FUSE_ACT=const(fuse), ACTIVATION=const("silu"), ALPHA=const(1.702),
+            stride_bn=0, stride_om=n, stride_on=1, stride_dm=2 * n if fuse else n,
+            ROW_DIV=const(8 if fuse else 1), HAS_BIAS=const(False), FUSE_ACT=const(fuse),
+            HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"), ALPHA=const(1.702),
             MUL_ROUTED_WEIGHT=const(not fuse), BLOCK_M=const(64), BLOCK_N=const(128),
             BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True), **tf32),
             num_warps=8)
     out["moe_lora_expand"] = compile_ptx(mod("moe_lora")._moe_lora_expand_kernel, dict(
-        buf_ptr=f32, b_ptr=bf, y_ptr=f32, sorted_ids_ptr=i32, block_groups_ptr=i32, num_valid_ptr=i32,
+        buf_ptr=f32, b_ptr=bf, delta_ptr=f32, sorted_ids_ptr=i32, block_groups_ptr=i32, num_valid_ptr=i32,
         N=2 * inter, num_pairs=5, num_experts=experts, stride_bm=r, stride_br=1,
         stride_wl=experts * 2 * inter * r, stride_we=2 * inter * r, stride_wn=r, stride_wr=1,
-        stride_ym=2 * inter, stride_yn=1, R=const(r), BLOCK_M=const(64), BLOCK_N=const(128),
+        stride_dm=2 * inter, stride_dn=1, R=const(r), BLOCK_M=const(64), BLOCK_N=const(128),
         BLOCK_R=const(r), EVEN_N=const(True), **tf32))
     return {name: widths(ptx) for name, ptx in out.items()}
 

@@ -1,13 +1,17 @@
 """Grouped GEMM of the MoE experts over aligned pair blocks (moe_align.py):
-out[pair, :] = A[row(pair)] @ W[expert(block)].T (+ bias[expert]).
+out[pair, :] = A[row(pair)] @ W[expert(block)].T (+ bias[expert]) (+ delta[pair]).
 
 Each program takes one block of BLOCK_M sorted pairs (all routed to one expert) and
 BLOCK_N output columns. The gate/up GEMM gathers its rows straight from x (row = pair //
 top_k: no per-expert copy of x); the down GEMM reads the [P, I] intermediate (row =
 pair). Options: FUSE_ACT loads the gate tile and the matching up tile (W rows n and
 n + I) and stores act(gate) * up, so the [P, 2I] output never exists; MUL_ROUTED_WEIGHT
-scales each row by its routing weight before the store. fp32 accumulation; blocks past
-the valid count (worst-case grid) exit at once. Outputs are indexed by pair.
+scales each row by its routing weight before the store. With a LoRA delta (moe_lora.py:
+the adapters' contribution per pair, written only for pairs whose token has an adapter
+on these experts) the epilogue adds it to the fp32 accumulator of those rows before
+the activation and the routing weight, so base and adapter output are rounded once.
+fp32 accumulation; blocks past the valid count (worst-case grid) exit at once. Outputs
+are indexed by pair.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.moe_act import gated_act
 from loraplex.ops.triton.moe_align import Alignment
@@ -43,14 +48,17 @@ def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     return dict(next(cfg for limit, cfg in DEFAULT_CONFIGS if rows <= limit))
 
 
-@triton.jit(do_not_specialize=["N", "K", "num_pairs", "num_blocks", "limit"])
+# N and K are specialized (fixed per model): their alignment makes the up half of W and of
+# the delta (N columns on) loadable in 16-byte vectors.
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr,
+    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
     sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
     N, K, num_pairs, num_blocks, limit,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_om, stride_on,
+    stride_om, stride_on, stride_dm,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
+    HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -102,6 +110,16 @@ def _moe_gemm_kernel(
         acc += tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if FUSE_ACT:
             acc_up += tl.load(bias + N * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_DELTA:  # rows of tokens with an adapter on these experts (as align_lora keeps)
+        slot = tl.load(token_slot_ptr + pairs // TOP_K, mask=m_mask, other=-1)
+        covered = m_mask & (slot >= 0)
+        if USE_SLOT_MASK:
+            covered &= tl.load(slot_mask_ptr + slot, mask=covered, other=0) != 0
+        d_mask = covered[:, None] if EVEN_N else covered[:, None] & n_mask[None, :]
+        d = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
+        acc += tl.load(d, mask=d_mask, other=0.0).to(tl.float32)
+        if FUSE_ACT:
+            acc_up += tl.load(d + N, mask=d_mask, other=0.0).to(tl.float32)
     if FUSE_ACT:
         acc = gated_act(acc, acc_up, limit, ACTIVATION, ALPHA)
     if MUL_ROUTED_WEIGHT:
@@ -117,23 +135,33 @@ def moe_gemm(
     a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     align: Alignment, cfg: dict, row_div: int, activation: str | None = None,
     limit: float = math.inf, routed_weights: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None, lora: MoELoRA | None = None, top_k: int = 1,
 ) -> None:
     """out[pair] = A[pair // row_div] @ W[e].T (+ bias[e]) for the pairs of `align`;
     with `activation`, out [P, N / 2] = act(gate) * up; with routed_weights (float32,
-    contiguous [T, top_k]), rows scaled by their routing weight. a [rows, K]; w [E, N, K]."""
+    contiguous [T, top_k]), rows scaled by their routing weight. a [rows, K]; w [E, N, K].
+    With delta [P, N] (and `lora` for which tokens have one, pair p being token
+    p // top_k's), delta[pair] joins the product before the activation and the weight."""
     assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
     n = w.shape[1] // 2 if activation else w.shape[1]
     assert a.shape[1] == w.shape[2] and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
     assert a.dtype == w.dtype, (a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
+    if delta is not None:
+        assert lora is not None and delta.shape == (align.num_pairs, w.shape[1]) and delta.stride(1) == 1
     grid = (align.num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, bias if bias is not None else w, out, routed_weights if routed_weights is not None else w,
+        delta if delta is not None else w, lora.token_slot if lora is not None else w,
+        lora.slot_mask if lora is not None and lora.slot_mask is not None else w,
         align.sorted_ids, align.block_groups, align.num_valid,
         n, w.shape[2], align.num_pairs, align.num_blocks, limit,
         *a.stride(), *w.stride(), *(bias.stride() if bias is not None else (0, 0)), *out.stride(),
+        delta.stride(0) if delta is not None else 0,
         ROW_DIV=row_div, HAS_BIAS=bias is not None, FUSE_ACT=activation is not None,
+        HAS_DELTA=delta is not None, TOP_K=top_k,
+        USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],

@@ -1,6 +1,7 @@
-"""Adapters on routed experts: y[pair] += (in_row(pair) @ A[s, e].T) @ B[s, e].T, where s
-is the pair's token's slot and e its expert, added into a grouped GEMM's output before
-the activation (gate/up) or the routing weight (down).
+"""Adapters on routed experts: delta[pair] = (in_row(pair) @ A[s, e].T) @ B[s, e].T, where
+s is the pair's token's slot and e its expert. The grouped GEMM (moe_gemm.py) adds it to
+its accumulator before the activation (gate/up) or the routing weight (down): no output
+makes a round trip through memory to receive it.
 
 Why pairs sorted by (slot, expert), with their own alignment (moe_align.align_lora):
 each block then holds one (slot, expert) group, so a program loads one A (or B) and
@@ -8,9 +9,10 @@ runs full tl.dot tiles, exactly like the base GEMM. The alternative, reusing the
 expert-sorted blocks with a grid dimension over adapter slots and rows masked to the
 slot, launches max_loras x blocks programs and multiplies mostly masked rows; the
 sort is one more single-program launch, shared by the gate/up and down paths.
-Tokens in slot -1 are in no block; their rows are never touched. A/B columns past an
-adapter's rank are zero in the slot buffers, so computing all R columns is exact.
-Shrink writes float32 [P, R] rows indexed by pair; expand adds in place.
+Tokens in slot -1 are in no block; their delta rows are never written (the GEMM does
+not read them). A/B columns past an adapter's rank are zero in the slot buffers, so
+computing all R columns is exact. Shrink writes float32 [P, R] rows indexed by pair;
+expand writes the delta rows in delta's dtype.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ def _moe_lora_shrink_kernel(
 
 @triton.jit(do_not_specialize=["N", "num_pairs", "num_experts"])
 def _moe_lora_expand_kernel(
-    buf_ptr, b_ptr, y_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    buf_ptr, b_ptr, delta_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
     N, num_pairs, num_experts,
-    stride_bm, stride_br, stride_wl, stride_we, stride_wn, stride_wr, stride_ym, stride_yn,
+    stride_bm, stride_br, stride_wl, stride_we, stride_wn, stride_wr, stride_dm, stride_dn,
     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -98,27 +100,27 @@ def _moe_lora_expand_kernel(
     x = tl.load(buf_ptr + rows[:, None] * stride_bm + offs_r[None, :] * stride_br,
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
-    y = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    # EVEN_N: rows alone are masked, so y moves in 16-byte vectors (a mask against the
-    # runtime N would split every access into single elements).
+    out = delta_ptr + rows[:, None] * stride_dm + offs_n[None, :] * stride_dn
+    # EVEN_N: rows alone are masked, so the delta is stored in 16-byte vectors (a mask
+    # against the runtime N would split every store into single elements).
     mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
-    out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, delta.to(delta_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor,
+def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delta: torch.Tensor,
              align: Alignment, row_div: int) -> None:
-    """y[pair] += (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for the pairs of `align`
-    (from align_lora). lora_a [L, E, R, K]; lora_b [L, E, N, R]; y [P, N]."""
+    """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for the pairs of `align`
+    (from align_lora); other rows are left as they are. lora_a [L, E, R, K]; lora_b
+    [L, E, N, R]; delta [P, N]."""
     _, num_experts, rank, k = lora_a.shape
     n = lora_b.shape[2]
-    assert inp.shape[1] == k and y.shape == (align.num_pairs, n), (inp.shape, lora_a.shape, y.shape)
+    assert inp.shape[1] == k and delta.shape == (align.num_pairs, n), (inp.shape, lora_a.shape, delta.shape)
     assert inp.dtype == lora_a.dtype == lora_b.dtype, (inp.dtype, lora_a.dtype, lora_b.dtype)
     if align.num_blocks == 0:
         return
     block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs >= 16 on a GPU
     bm = align.block_m
-    buf = torch.empty(align.num_pairs, rank, dtype=torch.float32, device=y.device)
+    buf = torch.empty(align.num_pairs, rank, dtype=torch.float32, device=delta.device)
     _moe_lora_shrink_kernel[(align.num_blocks,)](
         inp, lora_a, buf, align.sorted_ids, align.block_groups, align.num_valid,
         k, align.num_pairs, num_experts,
@@ -127,9 +129,9 @@ def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, y: t
         EVEN_K=k % BLOCK_K == 0, **dot_settings(inp.dtype), num_warps=NUM_WARPS,
     )
     _moe_lora_expand_kernel[(align.num_blocks, triton.cdiv(n, BLOCK_N))](
-        buf, lora_b, y, align.sorted_ids, align.block_groups, align.num_valid,
+        buf, lora_b, delta, align.sorted_ids, align.block_groups, align.num_valid,
         n, align.num_pairs, num_experts,
-        *buf.stride(), *lora_b.stride(), *y.stride(),
+        *buf.stride(), *lora_b.stride(), *delta.stride(),
         R=rank, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_R=block_r, EVEN_N=n % BLOCK_N == 0,
         **dot_settings(lora_b.dtype), num_warps=NUM_WARPS,
     )
