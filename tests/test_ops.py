@@ -10,7 +10,8 @@ import torch
 from conftest import DEVICE
 
 from loraplex import ops
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, make_lora_batch
+from loraplex.ops import reference
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, QKNorm, make_lora_batch
 
 BACKENDS = ["torch", "triton"]
 POPULARITY = ["distinct", "uniform", "zipf", "identical", "none", "mixed-with-base"]
@@ -251,6 +252,34 @@ def test_rms_norm_rotary_silu(backend):
     g, u = h[:, :24].double(), h[:, 24:].double()
     got = ops.silu_and_mul(h.to(DEVICE)).double().cpu()
     assert torch.allclose(got, g * torch.sigmoid(g) * u, atol=1e-6)
+
+
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama_norm", "gemma_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qk_norm_in_rotary_equals_norm_then_rotary(backend, unit_offset, dtype):
+    """Qwen3 / Gemma 3: the rotary op's fused per-head RMSNorm gives what rms_norm then
+    rotary give (same backend, same roundings), and in fp32 what the reference gives."""
+    gen = torch.Generator().manual_seed(3)
+    t, hq, hk, d = 5, 4, 2, 32
+    qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=gen) * 3).to(dtype).to(DEVICE)
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    wq, wk = ((torch.randn(d, generator=gen) * 0.5).to(dtype).to(DEVICE) for _ in range(2))
+    positions = torch.tensor([0, 7, 3, 3, 11], device=DEVICE)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).double() / d)
+    ang = torch.arange(16).double()[:, None] * inv
+    cos_sin = torch.cat((ang.cos(), ang.sin()), -1).float().to(DEVICE)
+    norm = QKNorm(wq, wk, 1e-6, unit_offset)
+    got = ops.rotary_embedding(q, k, positions, cos_sin, norm)
+    unfused = ops.rotary_embedding(ops.rms_norm(q, wq, 1e-6, unit_offset),
+                                   ops.rms_norm(k, wk, 1e-6, unit_offset), positions, cos_sin)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # a sum in another order: one bf16 ulp
+    for g, u in zip(got, unfused):
+        assert g.dtype == dtype and torch.allclose(g.float(), u.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        want = reference.rotary_embedding(q.cpu(), k.cpu(), positions.cpu(), cos_sin.cpu(),
+                                          QKNorm(wq.cpu(), wk.cpu(), 1e-6, unit_offset))
+        for g, w in zip(got, want):
+            assert torch.allclose(g.cpu(), w, rtol=1e-5, atol=1e-5)
 
 
 def test_add_rms_norm_and_strided_heads(backend):

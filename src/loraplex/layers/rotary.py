@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from loraplex import ops
+from loraplex.ops.metadata import QKNorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, params: dict) -> torch.Tensor:
@@ -78,5 +79,5 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat((freqs.cos(), freqs.sin()), -1) * rope_attention_factor(params)
         self.register_buffer("cos_sin", cos_sin, False)
 
-    def forward(self, positions, q, k):
-        return ops.rotary_embedding(q, k, positions, self.cos_sin)
+    def forward(self, positions, q, k, qk_norm: QKNorm | None = None):
+        return ops.rotary_embedding(q, k, positions, self.cos_sin, qk_norm)

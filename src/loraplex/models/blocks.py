@@ -15,6 +15,7 @@ from loraplex.layers.attention import PagedAttention
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.norm import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.ops.metadata import QKNorm
 
 
 class SelfAttention(nn.Module):
@@ -47,9 +48,10 @@ class SelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qk_norm = None
+        if hasattr(self, "q_norm"):  # applied by the rotary op, in its launch
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
+        q, k = self.rotary(positions, q, k, qk_norm)
         o = self.attn(q, k, v, self.sinks)
         return self.o_proj(o.reshape(t, -1))
 

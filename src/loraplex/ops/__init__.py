@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, MoELoRA
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, MoELoRA, QKNorm
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
 _impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
@@ -126,14 +126,16 @@ def add_rms_norm(
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: x -> x * cos(p f) + rotate_half(x) * sin(p f) for q and k (NeoX style).
 
     q [T, Hq, D], k [T, Hkv, D], positions [T]; cos_sin [max_pos, D] = cat(cos, sin) of
-    position x inverse frequency, float32.
+    position x inverse frequency, float32. With qk_norm (Qwen3, Gemma 3), each head's
+    vector is first rms_norm'ed with q_weight / k_weight, in the same launch.
     """
-    return _impl.rotary_embedding(q, k, positions, cos_sin)
+    return _impl.rotary_embedding(q, k, positions, cos_sin, qk_norm)
 
 
 def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,6 +58,16 @@ class LoRABatch:
 
 
 @dataclass
+class QKNorm:
+    """Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3), as ops.rms_norm."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+    unit_offset: bool = False
+
+
+@dataclass
 class MoELoRA:
     """Adapters on the experts of one MoE layer, for one step. Slot s of each tensor
     holds that adapter's per-expert A and B (scaling folded into B), zero past its rank

@@ -24,8 +24,12 @@ def add_rms_norm(
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    qk_norm=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if qk_norm is not None:
+        q = rms_norm(q, qk_norm.q_weight, qk_norm.eps, qk_norm.unit_offset)
+        k = rms_norm(k, qk_norm.k_weight, qk_norm.eps, qk_norm.unit_offset)
     cos, sin = cos_sin[positions].to(q.dtype).chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
 

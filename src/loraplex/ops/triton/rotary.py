@@ -3,6 +3,8 @@
 One program per token rotates all its query and key heads: pairs (i, i + D/2) turn by
 position * inv_freq[i]. cos/sin come from a float32 table and are rounded to the model
 dtype first, as Hugging Face does; the rotation itself is computed in float32.
+Models with per-head q/k RMSNorm (Qwen3, Gemma 3) normalise in the same program: the
+program already holds each head's whole vector, and two launches per layer go.
 """
 
 from __future__ import annotations
@@ -11,14 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.metadata import QKNorm
+
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_cs,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -32,20 +37,32 @@ def _rotary_kernel(
     h = tl.arange(0, BLOCK_H)
     for which in tl.static_range(2):
         if which == 0:
-            src, dst, n = q_ptr + t * stride_qt, qo_ptr + t * stride_qot, NUM_Q
+            src, dst, n, w_ptr = q_ptr + t * stride_qt, qo_ptr + t * stride_qot, NUM_Q, qw_ptr
             s_h, d_h = stride_qh, stride_qoh
         else:
-            src, dst, n = k_ptr + t * stride_kt, ko_ptr + t * stride_kot, NUM_K
+            src, dst, n, w_ptr = k_ptr + t * stride_kt, ko_ptr + t * stride_kot, NUM_K, kw_ptr
             s_h, d_h = stride_kh, stride_koh
         mask = (h[:, None] < n) & d_mask[None, :]
         x1 = tl.load(src + h[:, None] * s_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + h[:, None] * s_h + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM:  # each head's RMSNorm first, rounded as ops.rms_norm rounds it
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+            x1, x2 = x1 * rstd[:, None], x2 * rstd[:, None]
+            if UNIT_OFFSET:  # Gemma: scale by (1 + w) in float32, then round
+                x1 = (x1 * (1.0 + w1)).to(dtype).to(tl.float32)
+                x2 = (x2 * (1.0 + w2)).to(dtype).to(tl.float32)
+            else:  # round, scale, round
+                x1 = (x1.to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+                x2 = (x2.to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
         tl.store(dst + h[:, None] * d_h + d[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
         tl.store(dst + h[:, None] * d_h + HALF + d[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 def rotary_embedding(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    qk_norm: QKNorm | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
@@ -55,12 +72,15 @@ def rotary_embedding(
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
         q, k, q_out, k_out, positions, cos_sin,
+        qk_norm.q_weight if qk_norm else cos_sin, qk_norm.k_weight if qk_norm else cos_sin,
+        qk_norm.eps if qk_norm else 0.0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin.stride(0),
         NUM_Q=num_q, NUM_K=num_k, HALF=half,
         BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
         BLOCK_HALF=triton.next_power_of_2(half),
+        NORM=qk_norm is not None, UNIT_OFFSET=bool(qk_norm and qk_norm.unit_offset),
         num_warps=4,
     )
     return q_out, k_out
