@@ -191,7 +191,10 @@ def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
     t0 = time.perf_counter()
     n = max(args.max_concurrency, len(adapters), 1)
     vocab = llm.config.model.vocab_size
-    prompts = [[vocab // 4 + (i * 7) % (vocab // 2)] * args.input_len for i in range(n)]
+    # Varied tokens, as in the timed prompts: an MoE then routes them over many experts
+    # (a prompt of one repeated token sends all its tokens to the same few).
+    prompts = [[vocab // 4 + (i * 7919 + j * 104729) % (vocab // 2) for j in range(args.input_len)]
+               for i in range(n)]
     loras = [adapters[i % len(adapters)] if adapters and i % 2 else None for i in range(n)]
     sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts, sp, loras, use_tqdm=False)
