@@ -29,7 +29,7 @@ def test_bf16_outputs_are_not_read_or_written_one_element_at_a_time(counts, kern
     assert c.get("ld.b16", 0) == 0 and c.get("st.b16", 0) == 0, c
 
 
-@pytest.mark.parametrize("kernel", ["lora_expand_sgmv", "moe_gemm_gate_up", "moe_gemm_down", "moe_lora_expand"])
+@pytest.mark.parametrize("kernel", ["lora_expand_sgmv", "moe_gemm_gate_up", "moe_gemm_down", "moe_lora"])
 def test_output_tiles_are_stored_in_16_byte_vectors(counts, kernel):
     c = counts[kernel]
     assert c.get("st.v4.b32", 0) > 0 and c.get("st.b32", 0) == 0, c

@@ -11,8 +11,8 @@ slot, launches max_loras x blocks programs and multiplies mostly masked rows; th
 sort is one more single-program launch, shared by the gate/up and down paths.
 Tokens in slot -1 are in no block; their delta rows are never written (the GEMM does
 not read them). A/B columns past an adapter's rank are zero in the slot buffers, so
-computing all R columns is exact. Shrink writes float32 [P, R] rows indexed by pair;
-expand writes the delta rows in delta's dtype.
+computing all R columns is exact. One kernel does both products per block (the shrunk
+rows stay in registers) and writes the delta rows in delta's dtype.
 """
 
 from __future__ import annotations
@@ -33,15 +33,19 @@ def lora_block_m(num_pairs: int) -> int:
     return 16 if num_pairs <= 1024 else 64
 
 
-@triton.jit(do_not_specialize=["K", "num_pairs", "num_experts"])
-def _moe_lora_shrink_kernel(
-    in_ptr, a_ptr, buf_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
-    K, num_pairs, num_experts,
-    stride_im, stride_ik, stride_al, stride_ae, stride_ar, stride_ak, stride_bm, stride_br,
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
+def _moe_lora_kernel(
+    in_ptr, a_ptr, b_ptr, delta_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    K, N, num_pairs, num_experts,
+    stride_im, stride_ik, stride_al, stride_ae, stride_ar, stride_ak,
+    stride_bl, stride_be, stride_bn, stride_br, stride_dm, stride_dn,
     R: tl.constexpr, ROW_DIV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """One program per aligned block: shrink its rows by A[s, e] into registers, then walk
+    every column block of B[s, e] and store the delta rows. The [rows, R] intermediate
+    never leaves the program: one launch per projection, nothing to zero or re-read."""
     blk = tl.program_id(0)
     if blk * BLOCK_M >= tl.load(num_valid_ptr):
         return
@@ -69,42 +73,19 @@ def _moe_lora_shrink_kernel(
         if UPCAST:
             x, a = x.to(tl.float32), a.to(tl.float32)
         acc += tl.dot(x, a, input_precision=DOT_PRECISION)
-    out = buf_ptr + pairs.to(tl.int64)[:, None] * stride_bm + offs_r[None, :] * stride_br
-    tl.store(out, acc, mask=m_mask[:, None] & r_mask[None, :])
 
-
-@triton.jit(do_not_specialize=["N", "num_pairs", "num_experts"])
-def _moe_lora_expand_kernel(
-    buf_ptr, b_ptr, delta_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
-    N, num_pairs, num_experts,
-    stride_bm, stride_br, stride_wl, stride_we, stride_wn, stride_wr, stride_dm, stride_dn,
-    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    blk = tl.program_id(0)
-    if blk * BLOCK_M >= tl.load(num_valid_ptr):
-        return
-    group = tl.load(block_groups_ptr + blk)
-    slot, expert = (group // num_experts).to(tl.int64), (group % num_experts).to(tl.int64)
-    pairs = tl.load(sorted_ids_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = pairs < num_pairs
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w = tl.load(b_ptr + slot * stride_wl + expert * stride_we + offs_n[None, :] * stride_wn
-                + offs_r[:, None] * stride_wr, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    if UPCAST:
-        w = w.to(tl.float32)
-    rows = pairs.to(tl.int64)
-    x = tl.load(buf_ptr + rows[:, None] * stride_bm + offs_r[None, :] * stride_br,
-                mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-    delta = tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
-    out = delta_ptr + rows[:, None] * stride_dm + offs_n[None, :] * stride_dn
-    # EVEN_N: rows alone are masked, so the delta is stored in 16-byte vectors (a mask
-    # against the runtime N would split every store into single elements).
-    mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
-    tl.store(out, delta.to(delta_ptr.dtype.element_ty), mask=mask)
+    b_rows = b_ptr + slot * stride_bl + expert * stride_be + offs_r[:, None] * stride_br
+    out_rows = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        w = tl.load(b_rows + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if UPCAST:
+            w = w.to(tl.float32)
+        delta = tl.dot(acc.to(w.dtype), w, input_precision=DOT_PRECISION)
+        # EVEN_N: rows alone are masked, so the delta is stored in 16-byte vectors.
+        mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
+        tl.store(out_rows + offs_n[None, :] * stride_dn, delta.to(delta_ptr.dtype.element_ty), mask=mask)
 
 
 def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delta: torch.Tensor,
@@ -118,20 +99,12 @@ def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delt
     assert inp.dtype == lora_a.dtype == lora_b.dtype, (inp.dtype, lora_a.dtype, lora_b.dtype)
     if align.num_blocks == 0:
         return
-    block_r = max(16, triton.next_power_of_2(rank))  # tl.dot needs >= 16 on a GPU
-    bm = align.block_m
-    buf = torch.empty(align.num_pairs, rank, dtype=torch.float32, device=delta.device)
-    _moe_lora_shrink_kernel[(align.num_blocks,)](
-        inp, lora_a, buf, align.sorted_ids, align.block_groups, align.num_valid,
-        k, align.num_pairs, num_experts,
-        *inp.stride(), *lora_a.stride(), *buf.stride(),
-        R=rank, ROW_DIV=row_div, BLOCK_M=bm, BLOCK_R=block_r, BLOCK_K=BLOCK_K,
-        EVEN_K=k % BLOCK_K == 0, **dot_settings(inp.dtype), num_warps=NUM_WARPS,
-    )
-    _moe_lora_expand_kernel[(align.num_blocks, triton.cdiv(n, BLOCK_N))](
-        buf, lora_b, delta, align.sorted_ids, align.block_groups, align.num_valid,
-        n, align.num_pairs, num_experts,
-        *buf.stride(), *lora_b.stride(), *delta.stride(),
-        R=rank, BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_R=block_r, EVEN_N=n % BLOCK_N == 0,
-        **dot_settings(lora_b.dtype), num_warps=NUM_WARPS,
+    _moe_lora_kernel[(align.num_blocks,)](
+        inp, lora_a, lora_b, delta, align.sorted_ids, align.block_groups, align.num_valid,
+        k, n, align.num_pairs, num_experts,
+        *inp.stride(), *lora_a.stride(), *lora_b.stride(), *delta.stride(),
+        R=rank, ROW_DIV=row_div, BLOCK_M=align.block_m,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),  # tl.dot needs >= 16 on a GPU
+        BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, EVEN_K=k % BLOCK_K == 0, EVEN_N=n % BLOCK_N == 0,
+        **dot_settings(inp.dtype), num_warps=NUM_WARPS,
     )
