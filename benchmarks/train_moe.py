@@ -6,7 +6,12 @@ hidden 2048, expert intermediate 768), --layers of them, a small vocabulary (the
 is not what is measured), dummy weights in bf16. Per sequence length: median time of a
 forward + backward over --repeats steps after a warm-up step, and peak GPU memory.
 
-    python benchmarks/train_moe.py [--layers 2] [--seq-lens 1024 4096 16384]
+    python benchmarks/train_moe.py [--layers 2] [--seq-lens 1024 4096 16384] [--moe-only]
+
+--moe-only times the MoE blocks alone (router + experts of every layer, forward and
+backward to their input, from a random hidden state): the part LoRA-on-experts training
+changes. Without it the step is the whole model's, attention included, which is the
+same code (transformers' SDPA) on both sides and grows with the square of the length.
 """
 
 from __future__ import annotations
@@ -75,6 +80,36 @@ def step_time(model, seq_len: int, repeats: int, device) -> tuple[float, float]:
     return statistics.median(times) * 1e3, peak
 
 
+def moe_step_time(model, cfg, seq_len: int, repeats: int, device, dtype) -> tuple[float, float]:
+    """Forward + backward through the stack of MoE blocks alone, input gradient included."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = [layer.mlp for layer in inner.model.layers]
+    gen = torch.Generator(device).manual_seed(0)
+    x = torch.randn(1, seq_len, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+    grad = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(repeats + 1):
+        h = x.clone().requires_grad_(True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = h
+        for block in blocks:
+            out = block(out)
+            out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    return statistics.median(times) * 1e3, peak
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=2)
@@ -82,6 +117,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -92,7 +128,8 @@ def main():
         base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         for s in args.seq_lens:
             try:
-                ms, peak = step_time(model, s, args.repeats, device)
+                ms, peak = (moe_step_time(model, cfg, s, args.repeats, device, dtype) if args.moe_only
+                            else step_time(model, s, args.repeats, device))
             except torch.OutOfMemoryError:
                 ms, peak = float("nan"), float("nan")
                 torch.cuda.empty_cache()
@@ -102,6 +139,7 @@ def main():
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print(f"\n{'MoE blocks alone' if args.moe_only else 'whole model'}, {args.layers} layers")
     print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB | memory saved |")
     print("|---|---|---|---|---|---|---|")
     for s in args.seq_lens:
