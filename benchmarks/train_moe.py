@@ -110,6 +110,59 @@ def moe_step_time(model, cfg, seq_len: int, repeats: int, device, dtype) -> tupl
     return statistics.median(times) * 1e3, peak
 
 
+def breakdown(cfg, seq_len: int, device, dtype) -> None:
+    """Time each primitive of one MoE layer's LoRA training step at Qwen3-30B-A3B's shapes
+    (CUDA events, median of 10 after a warm-up), to see where the step goes."""
+    from loraplex.train.moe import gmm, outer, resolve_backend, sort_pairs, sum_by_token
+
+    backend = resolve_backend("auto", device, dtype)
+    e, h, i, k, r = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, RANK
+    gen = torch.Generator(device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, generator=gen) * 0.02  # noqa: E731
+    x = rnd(seq_len, h)
+    top = torch.randn(seq_len, e, device=device, generator=gen).topk(k).indices
+    pairs = sort_pairs(top, e)
+    tokens, groups = pairs.tokens, pairs.groups
+    p = tokens.numel()
+    w_gu, w_d = rnd(e, h, 2 * i), rnd(e, i, h)
+    a_gu, b_gu, a_d, b_d = rnd(e, h, r), rnd(e, r, 2 * i), rnd(e, i, r), rnd(e, r, h)
+    xs, gu, hh, y, g = x[tokens], rnd(p, 2 * i), rnd(p, i), rnd(p, h), rnd(p, h)
+    xa = rnd(p, r)
+
+    def ms(fn):
+        fn()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    rows = {
+        "sort_pairs": lambda: sort_pairs(top, e),
+        "gather x[tokens] [P,H]": lambda: x[tokens],
+        "gmm gate_up base (fwd)": lambda: gmm(xs, w_gu, groups, backend),
+        "gmm gate_up lora shrink+expand (fwd)": lambda: gmm(gmm(xs, a_gu, groups, backend), b_gu, groups, backend),
+        "silu(gate)*up (fwd)": lambda: torch.nn.functional.silu(gu[:, :i]) * gu[:, i:],
+        "gmm down base (fwd)": lambda: gmm(hh, w_d, groups, backend),
+        "gmm down lora (fwd)": lambda: gmm(gmm(hh, a_d, groups, backend), b_d, groups, backend),
+        "index_add [P,H] -> [T,H]": lambda: x.new_zeros(x.shape).index_add(0, tokens, y),
+        "sum_by_token [P,H] -> [T,H]": lambda: sum_by_token(y, pairs),
+        "gmm down dgrad g@W^T (bwd)": lambda: gmm(g, w_d.transpose(1, 2), groups, backend),
+        "gmm gate_up dgrad (bwd)": lambda: gmm(gu, w_gu.transpose(1, 2), groups, backend),
+        "outer x^T gxa (grad A gate_up)": lambda: outer(xs, xa, groups, backend),
+        "outer xa^T g (grad B gate_up)": lambda: outer(xa, gu, groups, backend),
+        "outer h^T gxa (grad A down)": lambda: outer(hh, xa, groups, backend),
+        "outer xa^T g (grad B down)": lambda: outer(xa, g, groups, backend),
+    }
+    print(f"one MoE layer, {seq_len} tokens, {p} pairs, backend {backend}")
+    for name, fn in rows.items():
+        print(f"  {name:40s} {ms(fn):8.3f} ms")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=2)
@@ -118,10 +171,15 @@ def main():
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
+    p.add_argument("--breakdown", action="store_true", help="time one layer's primitives (CUDA)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = build(args.layers, args.tiny)
+    if args.breakdown:
+        for s in args.seq_lens:
+            breakdown(cfg, s, device, dtype)
+        return
     rows = []
     for which in ("loraplex", "peft"):
         model = make(cfg, which, device, dtype)

@@ -172,7 +172,8 @@ def test_expert_projection_backends(rank):
     t, k, e, d_in, d_out = 13, 2, 8, 64, 32
     idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     idx[idx == 5] = 6  # expert 5 gets no rows
-    _, tokens, _, groups = moe.sort_pairs(idx, e)
+    pairs = moe.sort_pairs(idx, e)
+    tokens, groups = pairs.tokens, pairs.groups
     x0 = torch.randn(t, d_in, generator=gen)[tokens]
     w = torch.randn(e, d_out, d_in, generator=gen).transpose(1, 2).requires_grad_()
     a0, b0 = torch.randn(e, rank, d_in, generator=gen), torch.randn(e, d_out, rank, generator=gen)
@@ -192,6 +193,36 @@ def test_expert_projection_backends(rank):
     for got in results[1:]:
         for g, r in zip(got, results[0]):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_projection_and_token_sum_match_autograd():
+    """The projection that gathers its rows from [T, K] itself and the sort-based sum back
+    onto tokens give what x[tokens] and index_add give, forward and backward."""
+    gen = torch.Generator().manual_seed(1)
+    t, k, e, d_in, d_out, rank = 13, 3, 8, 64, 32, 4
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    pairs = moe.sort_pairs(idx, e)
+    assert torch.equal(pairs.order[pairs.inv], torch.arange(t * k))
+    x0 = torch.randn(t, d_in, generator=gen)
+    w = torch.randn(e, d_out, d_in, generator=gen).transpose(1, 2)
+    a0, b0 = torch.randn(e, rank, d_in, generator=gen), torch.randn(e, d_out, rank, generator=gen)
+    probe = torch.randn(t, d_out, generator=gen)
+    results = []
+    for fused in (False, True):
+        x, a, b = (z.clone().requires_grad_() for z in (x0, a0, b0))
+        if fused:
+            y = moe.ExpertProjection.apply(x, w, a.transpose(1, 2), b.transpose(1, 2), 0.5,
+                                           pairs.groups, "loop", pairs)
+            out = moe.CombineByToken.apply(y, pairs)
+        else:
+            xs = x[pairs.tokens]
+            y = torch.cat([xs[s:u] @ w[i] + 0.5 * (xs[s:u] @ a[i].T) @ b[i].T
+                           for i, s, u in pairs.groups.blocks()])
+            out = torch.zeros(t, d_out).index_add(0, pairs.tokens, y)
+        (out * probe).sum().backward()
+        results.append([out.detach(), x.grad, a.grad, b.grad])
+    for g, r in zip(*results):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_backend_matches_loop_in_a_model(moe_dirs):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraplex.train.moe import ExpertProjection, sort_pairs
+from loraplex.train.moe import CombineByToken, ExpertProjection, SortedPairs, sort_pairs
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -82,28 +82,29 @@ class LoRAExperts(nn.Module):
         e, d1, d2 = getattr(self.base_layer, param).shape
         return (e, d1, d2) if self.transposed else (e, d2, d1)
 
-    def _project(self, x, param: str, experts: torch.Tensor, groups, index=None) -> torch.Tensor:
+    def _project(self, x, param: str, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
         w = getattr(self.base_layer, param)
         w = w if self.transposed else w.transpose(1, 2)  # [E, in, out]
         a = getattr(self, f"{param}_A").to(x.dtype).transpose(1, 2)  # [E, in, r]
         b = getattr(self, f"{param}_B").to(x.dtype).transpose(1, 2)  # [E, r, out]
-        y = ExpertProjection.apply(x, w, a, b, self.scale, groups, self.backend, index)
+        y = ExpertProjection.apply(x, w, a, b, self.scale, pairs.groups, self.backend,
+                                   pairs if gather else None)
         bias = getattr(self.base_layer, f"{param}_bias", None)
-        return y if bias is None else y + bias[experts]
+        return y if bias is None else y + bias[pairs.experts]
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        order, tokens, experts, groups = sort_pairs(top_k_index, self.num_experts)
+        pairs = sort_pairs(top_k_index, self.num_experts)
         # gate/up gathers the routed rows itself (sorted by expert) and keeps only the input
-        gate_up = self._project(hidden_states, "gate_up_proj", experts, groups, index=tokens)
+        gate_up = self._project(hidden_states, "gate_up_proj", pairs, gather=True)
         h = self.base_layer._apply_gate(gate_up)
-        weights = top_k_weights.reshape(-1)[order, None].to(h.dtype)
+        weights = top_k_weights.reshape(-1)[pairs.order, None].to(h.dtype)
         if getattr(self.base_layer, "down_proj_bias", None) is None:
             # (h w) W = (h W) w: weighting the [P, I] input, not the [P, H] output, keeps the
             # smaller tensor for backward (the product's saved operand)
-            y = self._project(h * weights, "down_proj", experts, groups)
+            y = self._project(h * weights, "down_proj", pairs)
         else:  # gpt-oss: the bias is weighted too, as transformers does
-            y = self._project(h, "down_proj", experts, groups) * weights
-        return hidden_states.new_zeros(hidden_states.shape).index_add(0, tokens, y)
+            y = self._project(h, "down_proj", pairs) * weights
+        return CombineByToken.apply(y, pairs)
 
 
 def default_targets(model: nn.Module) -> tuple[str, ...]:
