@@ -205,7 +205,7 @@ def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def _one_pinned_buffer(srcs: list[torch.Tensor]) -> bool:
     first = srcs[0].untyped_storage()
     base, dtype = first.data_ptr(), srcs[0].dtype
-    return first.device.type == "cpu" and first.is_pinned() and all(
+    return srcs[0].device.type == "cpu" and srcs[0].is_pinned() and all(
         s.dtype == dtype and s.is_contiguous() and s.untyped_storage().data_ptr() == base
         and (s.data_ptr() - base) % dtype.itemsize == 0 for s in srcs)
 
