@@ -80,6 +80,8 @@ def main(args: argparse.Namespace) -> int:
         results = _run_in_process(args, model_dir, dummy)
     print(format_table(results))
     for r in results:
+        if r.extra.get("steps"):
+            print(f"{r.label}: engine steps {r.extra['steps']}")
         if "adapter_tiers" in r.extra:
             load = r.extra.get("adapter_load_ms", {})
             print(f"{r.label}: adapter tiers {r.extra['adapter_tiers']}, load ms median "
@@ -167,11 +169,37 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     for (k, dist), reqs in workloads.items():
         steps_before = engine.num_steps
         engine.runner.reset_moe_routing_stats()
+        engine.step_log = []
         records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
-        extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats()}
+        extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
+                 "steps": step_profile(engine.step_log)}
+        engine.step_log = None
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
+
+
+def step_profile(log: list[tuple[float, int, int]]) -> dict:
+    """Where the run's time went, by kind of engine step: decode only, with prefill
+    tokens, with adapter slot loads; and the slow steps (over 3x the median)."""
+    if not log:
+        return {}
+    ms = sorted(t * 1e3 for t, _, _ in log)
+    median = ms[len(ms) // 2]
+
+    def kind(rows):
+        return {"steps": len(rows), "total_s": round(sum(t for t, _, _ in rows), 3),
+                "mean_ms": round(1e3 * sum(t for t, _, _ in rows) / len(rows), 2) if rows else 0.0}
+
+    slow = [r for r in log if r[0] * 1e3 > 3 * median]
+    return {
+        "median_ms": round(median, 2), "total_s": round(sum(ms) / 1e3, 3),
+        "decode_only": kind([r for r in log if r[1] <= 64 and not r[2]]),
+        "with_prefill": kind([r for r in log if r[1] > 64]),
+        "with_slot_loads": kind([r for r in log if r[2]]),
+        "slow": {**kind(slow), "mean_tokens": round(sum(r[1] for r in slow) / len(slow), 1) if slow else 0,
+                 "mean_slot_loads": round(sum(r[2] for r in slow) / len(slow), 2) if slow else 0},
+    }
 
 
 def _publish(root: Path, adapters: dict[str, Path]) -> None:

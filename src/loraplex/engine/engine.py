@@ -8,6 +8,7 @@ strings and produces RequestOutputs.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, replace
 
 from loraplex.adapters.host_cache import HostCache
@@ -64,6 +65,8 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
+        # (seconds, tokens, adapter slot loads) per step while a list (the bench sets one)
+        self.step_log: list[tuple[float, int, int]] | None = None
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
@@ -216,6 +219,7 @@ class LLMEngine:
         stop strings, the next plan) overlaps the device's work; outputs then trail the
         device by one step.
         """
+        t0 = time.perf_counter()
         outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
         launched = self.runner.launch(plan)
@@ -228,6 +232,8 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._finish_step(launched)
+        if self.step_log is not None and plan.chunks:
+            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads)))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:
