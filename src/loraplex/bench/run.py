@@ -179,17 +179,21 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     return results
 
 
-def step_profile(log: list[tuple[float, int, int]]) -> dict:
+def step_profile(log: list[tuple[float, int, int, float]]) -> dict:
     """Where the run's time went, by kind of engine step: decode only, with prefill
-    tokens, with adapter slot loads; and the slow steps (over 3x the median)."""
+    tokens, with adapter slot loads; and the slow steps (over 3x the median). launch_ms:
+    the host's time inside runner.launch (planning inputs, slot copies, kernel launches),
+    the rest of a step is mostly waiting for the device."""
     if not log:
         return {}
-    ms = sorted(t * 1e3 for t, _, _ in log)
+    ms = sorted(r[0] * 1e3 for r in log)
     median = ms[len(ms) // 2]
 
     def kind(rows):
-        return {"steps": len(rows), "total_s": round(sum(t for t, _, _ in rows), 3),
-                "mean_ms": round(1e3 * sum(t for t, _, _ in rows) / len(rows), 2) if rows else 0.0}
+        n = max(1, len(rows))
+        return {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
+                "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
+                "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2)}
 
     slow = [r for r in log if r[0] * 1e3 > 3 * median]
     return {

@@ -65,8 +65,9 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
-        # (seconds, tokens, adapter slot loads) per step while a list (the bench sets one)
-        self.step_log: list[tuple[float, int, int]] | None = None
+        # (seconds, tokens, adapter slot loads, seconds in runner.launch) per step while a
+        # list (the bench sets one)
+        self.step_log: list[tuple[float, int, int, float]] | None = None
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
@@ -222,7 +223,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
+        t_launch = time.perf_counter()
         launched = self.runner.launch(plan)
+        t_launch = time.perf_counter() - t_launch
         self.num_steps += bool(plan.chunks)
         if not plan.chunks and self._in_flight is None and self.adapters and self.adapters.num_loading:
             self.adapters.wait(0.005)  # only loads are pending: do not spin
@@ -233,7 +236,7 @@ class LLMEngine:
         else:
             outputs += self._finish_step(launched)
         if self.step_log is not None and plan.chunks:
-            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads)))
+            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:
