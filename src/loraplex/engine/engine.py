@@ -7,6 +7,7 @@ strings and produces RequestOutputs.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -35,6 +36,12 @@ from loraplex.types import (
 )
 
 
+# The GIL switch interval while adapter loader threads run (see LLMEngine.__init__). 0.5 ms
+# is the measured best so far (5 ms before); lower values are untested on a GPU: the
+# variable is there to try them.
+SWITCH_INTERVAL_S = float(os.environ.get("LORAPLEX_SWITCH_INTERVAL_S", 5e-4))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer, max_logprobs: int = 20,
                  async_scheduling: bool = True, default_stop: tuple[str, ...] = ()):
@@ -53,10 +60,12 @@ class LLMEngine:
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
         if self.adapters is not None:
             # Loader threads run short Python stretches between GIL-free reads, hashes and
-            # copies; at the default 5 ms switch interval each one could hold up the engine
-            # loop (and so the GPU) for that long. Measured on an H200, 1,000 cold adapters:
-            # 1,185 -> 1,400 output tok/s at 0.5 ms.
-            sys.setswitchinterval(5e-4)
+            # copies. The engine thread gives the GIL up at every torch call; when a loader
+            # takes it, the engine waits up to the switch interval to get it back. At the
+            # default 5 ms that held up the GPU (1,000 cold adapters, H200: 1,185 -> 1,400
+            # tok/s at 0.5 ms); at 0.5 ms an eager prefill step (hundreds of calls) still
+            # spends ~170 ms on the host while loads run (bench step profile, NOTES.md).
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.runner.adapters = self.adapters
         self.scheduler = Scheduler(
             config.scheduler,
