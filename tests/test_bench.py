@@ -119,10 +119,12 @@ def test_bench_over_http():
 def test_step_profile_splits_time_by_kind_of_step():
     from loraplex.bench.run import step_profile
 
-    log = [(0.006, 32, 0, 0.001)] * 20 + [(0.015, 544, 0, 0.002)] * 4 + [(0.2, 32, 1, 0.1), (0.007, 33, 2, 0.003)]
+    log = ([(0.006, 32, 0, 0.001, 0.0)] * 20 + [(0.015, 544, 0, 0.002, 0.0)] * 4
+           + [(0.2, 32, 1, 0.1, 0.05), (0.007, 33, 2, 0.003, 0.002)])
     p = step_profile(log)
     assert p["median_ms"] == 6.0 and p["decode_only"]["steps"] == 20
     assert p["with_prefill"]["steps"] == 4 and p["with_slot_loads"]["steps"] == 2
     assert p["slow"]["steps"] == 1 and p["slow"]["mean_slot_loads"] == 1 and p["slow"]["launch_ms"] == 100.0
+    assert p["with_slot_loads"]["slot_copy_ms"] == 26.0
     assert abs(p["total_s"] - (0.12 + 0.06 + 0.207)) < 1e-6
     assert step_profile([]) == {}

@@ -179,11 +179,12 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     return results
 
 
-def step_profile(log: list[tuple[float, int, int, float]]) -> dict:
+def step_profile(log: list[tuple[float, int, int, float, float]]) -> dict:
     """Where the run's time went, by kind of engine step: decode only, with prefill
     tokens, with adapter slot loads; and the slow steps (over 3x the median). launch_ms:
-    the host's time inside runner.launch (planning inputs, slot copies, kernel launches),
-    the rest of a step is mostly waiting for the device."""
+    the host's time inside runner.launch (planning inputs, slot copies, kernel launches;
+    slot_copy_ms of it copying adapters into slots); the rest of a step is mostly waiting
+    for the device."""
     if not log:
         return {}
     ms = sorted(r[0] * 1e3 for r in log)
@@ -193,7 +194,8 @@ def step_profile(log: list[tuple[float, int, int, float]]) -> dict:
         n = max(1, len(rows))
         return {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
                 "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
-                "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2)}
+                "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2),
+                "slot_copy_ms": round(1e3 * sum(r[4] for r in rows) / n, 2)}
 
     slow = [r for r in log if r[0] * 1e3 > 3 * median]
     return {

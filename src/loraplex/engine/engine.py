@@ -74,9 +74,9 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
-        # (seconds, tokens, adapter slot loads, seconds in runner.launch) per step while a
-        # list (the bench sets one)
-        self.step_log: list[tuple[float, int, int, float]] | None = None
+        # (seconds, tokens, adapter slot loads, seconds in runner.launch, of which slot
+        # copies) per step while a list (the bench sets one)
+        self.step_log: list[tuple[float, int, int, float, float]] | None = None
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
@@ -245,7 +245,8 @@ class LLMEngine:
         else:
             outputs += self._finish_step(launched)
         if self.step_log is not None and plan.chunks:
-            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch))
+            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch,
+                                  getattr(self.runner, "slot_load_s", 0.0)))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:

@@ -221,8 +221,11 @@ class ModelRunner:
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
+        self.slot_load_s = 0.0  # host time of this launch's slot copies (bench step profile)
         if plan.lora_loads:
+            t0 = time.perf_counter()
             self._load_slots(plan.lora_loads)
+            self.slot_load_s = time.perf_counter() - t0
         out = LaunchedStep(plan)
         if not plan.chunks:
             return out
