@@ -128,3 +128,19 @@ def test_step_profile_splits_time_by_kind_of_step():
     assert p["with_slot_loads"]["slot_copy_ms"] == 26.0
     assert abs(p["total_s"] - (0.12 + 0.06 + 0.207)) < 1e-6
     assert step_profile([]) == {}
+
+
+def test_compiled_kernels_reports_variants_compiled_meanwhile():
+    """The bench's check that its warm-up compiled everything: a kernel first compiled
+    inside the block is listed (on CPU Triton's interpreter compiles nothing, so the
+    hook is driven by hand, as Triton calls it)."""
+    from triton import knobs
+
+    from loraplex.bench.run import compiled_kernels
+
+    before = knobs.runtime.jit_post_compile_hook
+    with compiled_kernels() as compiled:
+        knobs.runtime.jit_post_compile_hook(key=1, repr="_rotary_kernel[num_warps=4](...)", fn=None,
+                                            compile={}, is_manual_warmup=False, already_compiled=False)
+    assert compiled == ["_rotary_kernel[num_warps=4](...)"]
+    assert knobs.runtime.jit_post_compile_hook is before

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from loraplex.bench.clients import run_http, run_in_process
@@ -170,13 +171,43 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         steps_before = engine.num_steps
         engine.runner.reset_moe_routing_stats()
         engine.step_log = []
-        records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
+        with compiled_kernels() as compiled:
+            records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
-                 "steps": step_profile(engine.step_log)}
+                 "steps": step_profile(engine.step_log), "compiled_while_timed": compiled}
         engine.step_log = None
+        if compiled:
+            logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
+                           "missed them; each stalls the engine): %s", len(compiled), compiled)
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
+
+
+@contextmanager
+def compiled_kernels():
+    """Yields a list that collects the Triton kernel variants compiled (or loaded from
+    Triton's disk cache) in this process meanwhile: after a warm-up it should stay empty."""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:
+        knobs = None
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):  # no Triton, or too old
+        yield compiled
+        return
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def hook(*_, **kw):
+        compiled.append(str(kw.get("repr", "?"))[:300])
+        if previous:
+            previous(*_, **kw)
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def step_profile(log: list[tuple[float, int, int, float, float]]) -> dict:
