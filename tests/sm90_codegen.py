@@ -84,10 +84,10 @@ def kernels() -> dict:
             num_warps=8)
     out["moe_lora"] = compile_ptx(mod("moe_lora")._moe_lora_kernel, dict(
         in_ptr=bf, a_ptr=bf, b_ptr=bf, delta_ptr=f32, sorted_ids_ptr=i32, block_groups_ptr=i32,
-        num_valid_ptr=i32, K=h, N=2 * inter, num_pairs=5, num_experts=experts,
+        num_valid_ptr=i32, ranks_ptr=i32, K=h, N=2 * inter, num_pairs=5, num_experts=experts,
         stride_im=h, stride_ik=1, stride_al=experts * r * h, stride_ae=r * h, stride_ar=h, stride_ak=1,
         stride_bl=experts * 2 * inter * r, stride_be=2 * inter * r, stride_bn=r, stride_br=1,
-        stride_dm=2 * inter, stride_dn=1, R=const(r), ROW_DIV=const(8), BLOCK_M=const(16),
+        stride_dm=2 * inter, stride_dn=1, R=const(r), ROW_DIV=const(8), HAS_RANKS=const(True), BLOCK_M=const(16),
         BLOCK_R=const(r), BLOCK_K=const(64), BLOCK_N=const(128), EVEN_K=const(True),
         EVEN_N=const(True), **tf32))
     return {name: widths(ptx) for name, ptx in out.items()}

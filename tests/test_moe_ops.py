@@ -57,9 +57,10 @@ def test_moe_align(t, e, k, bm, monkeypatch):
                     keys, 3 * e)
 
 
-def make_lora(e, h, i, t, gen) -> MoELoRA:
+def make_lora(e, h, i, t, gen, with_ranks: bool = True) -> MoELoRA:
     """Slots: 0 full rank, 1 rank 3 (zero tails), 2 empty (adapts no expert), 3 rank 5;
-    tokens in every slot and in none (-1). Ranks 16 (gate/up) and 8 (down, < a tl.dot)."""
+    tokens in every slot and in none (-1). Ranks 16 (gate/up) and 8 (down, < a tl.dot).
+    with_ranks: the per-slot ranks the kernels may stop reading at, as slots keep them."""
     r_gu, r_d, ranks = 16, 8, [16, 3, 0, 5]
     a_gu, b_gu = torch.zeros(4, e, r_gu, h), torch.zeros(4, e, 2 * i, r_gu)
     a_d, b_d = torch.zeros(4, e, r_d, i), torch.zeros(4, e, h, r_d)
@@ -70,7 +71,8 @@ def make_lora(e, h, i, t, gen) -> MoELoRA:
         b_d[s, :, :, : min(r, r_d)] = torch.randn(e, h, min(r, r_d), generator=gen) / 4
     slots = torch.tensor([(-1, 0, 1, 2, 3)[j % 5] for j in range(t)], dtype=torch.int32)
     mask = torch.tensor([int(r > 0) for r in ranks], dtype=torch.int32)  # slot 2: skipped
-    return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)], mask)
+    ranks = torch.tensor([ranks, [min(r, r_d) for r in ranks]], dtype=torch.int32) if with_ranks else None
+    return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)], mask, ranks)
 
 
 SMALL_BLOCKS = (  # gate/up, down: several row and column blocks, grouped ordering, and
@@ -108,13 +110,14 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
     w_d = torch.randn(e, h, i, generator=gen) / i**0.5
     b_gu = torch.randn(e, 2 * i, generator=gen) if bias else None
     b_d = torch.randn(e, h, generator=gen) if bias else None
-    lora = make_lora(e, h, i, t, gen) if with_lora else None
+    lora = make_lora(e, h, i, t, gen, with_ranks=t % 2 == 1) if with_lora else None
     limit = 3.0 if act == "swiglu_oai" else None
 
     def cast(v, to, dev="cpu"):  # the oracle sees the same (rounded) values in fp32
         if isinstance(v, MoELoRA):
             return MoELoRA(*(cast(f, to, dev) for f in (v.a_gate_up, v.b_gate_up, v.a_down, v.b_down)),
-                           v.token_slot.to(dev), v.slot_mask.to(dev))
+                           v.token_slot.to(dev), v.slot_mask.to(dev),
+                           None if v.ranks is None else v.ranks.to(dev))
         return None if v is None else v.to(dtype).to(dev, to)
 
     args = (x, w_gu, w_d, b_gu, b_d, lora)

@@ -68,6 +68,7 @@ class LoRASlotBuffers:
             x.lora_a_gate_up, x.lora_b_gate_up = zeros(2 * max_rank, h), zeros(2 * i, 2 * max_rank)
             x.lora_a_down, x.lora_b_down = zeros(max_rank, i), zeros(h, max_rank)
             x.lora_slot_mask = torch.zeros(max_loras, dtype=torch.int32, device=device)
+            x.lora_ranks = torch.zeros(2, max_loras, dtype=torch.int32, device=device)  # gate_up, down
 
     @property
     def nbytes(self) -> int:
@@ -91,16 +92,21 @@ class LoRASlotBuffers:
                 if slot in x.lora_slots:
                     x.lora_slots.discard(slot)
                     x.lora_slot_mask[slot] = 0
+                    x.lora_ranks[:, slot] = 0
                 continue
             x.lora_slots.add(slot)
             x.lora_slot_mask[slot] = 1
+            ranks = [0, 0]
             for i, (a, b, sa, sb) in enumerate(((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
                                                 (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))):
                 if a is not None:
-                    r = a.shape[1]
+                    r = ranks[i] = a.shape[1]
                     dsts += (sa[slot, :, :r], sb[slot, :, :, :r])
                     srcs += (a, b)
                     written[(path, i)] = r
+            # the kernels read A and B up to these ranks (the slot's capacity is 2 x max rank
+            # for gate_up: PEFT's fused layout uses half of it)
+            x.lora_ranks[0, slot], x.lora_ranks[1, slot] = ranks  # fills on the device, no sync
         copy_into(dsts, srcs)
         for (owner, i), old_r in self._written[slot].items():
             r = written.get((owner, i), 0)
@@ -162,6 +168,7 @@ class LoRASlotBuffers:
                 t[slot].zero_()
             x.lora_slots.discard(slot)
             x.lora_slot_mask[slot] = 0
+            x.lora_ranks[:, slot] = 0
         self._written[slot] = {}
         self.ranks[slot] = 0
         for layer in self.layers:

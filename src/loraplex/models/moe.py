@@ -42,6 +42,7 @@ class Experts(nn.Module):
         self.lora_a_down = self.lora_b_down = None
         self.lora_slots: set[int] = set()
         self.lora_slot_mask: torch.Tensor | None = None  # the same on the device [max_loras]
+        self.lora_ranks: torch.Tensor | None = None  # [2, max_loras]: each slot's gate_up, down rank
 
     def step_lora(self) -> MoELoRA | None:
         """This step's adapters on these experts, or None when no token has one. A CUDA
@@ -56,7 +57,7 @@ class Experts(nn.Module):
         if not capturing and not any(g.slot in self.lora_slots for g in batch.groups):
             return None
         return MoELoRA(self.lora_a_gate_up, self.lora_b_gate_up, self.lora_a_down,
-                       self.lora_b_down, batch.token_slot, self.lora_slot_mask)
+                       self.lora_b_down, batch.token_slot, self.lora_slot_mask, self.lora_ranks)
 
 
 class SparseMoE(nn.Module):

@@ -83,6 +83,9 @@ class MoELoRA:
     # [max_loras] int32: nonzero where the slot's adapter adapts these experts (kernels
     # skip the other slots' tokens: no work for attention-only adapters); None: all.
     slot_mask: torch.Tensor | None = None
+    # [2, max_loras] int32: each slot's gate_up and down rank (A/B are zero past them, so
+    # kernels may stop reading there); None: read the whole capacity.
+    ranks: torch.Tensor | None = None
 
 
 def group_tokens(token_slot: np.ndarray, slot_ranks: list[int], max_loras: int):

@@ -53,13 +53,15 @@ def fused_experts(
         align_l = align_lora(topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0],
                              lora_block_m(p), lora.slot_mask)
         delta_gu = torch.empty(p, two_i, dtype=torch.float32, device=dev)
-        moe_lora(x, lora.a_gate_up, lora.b_gate_up, delta_gu, align_l, top_k)
+        moe_lora(x, lora.a_gate_up, lora.b_gate_up, delta_gu, align_l, top_k,
+                 lora.ranks[0] if lora.ranks is not None else None)
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     moe_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, activation, limit,
              delta=delta_gu, lora=lora, top_k=top_k)
     if lora is not None:
         delta_d = torch.empty(p, hidden, dtype=torch.float32, device=dev)
-        moe_lora(h, lora.a_down, lora.b_down, delta_d, align_l, 1)
+        moe_lora(h, lora.a_down, lora.b_down, delta_d, align_l, 1,
+                 lora.ranks[1] if lora.ranks is not None else None)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
              delta=delta_d, lora=lora, top_k=top_k)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.lora_common import rank_ceil
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.precision import dot_settings
 
@@ -35,11 +36,11 @@ def lora_block_m(num_pairs: int) -> int:
 
 @triton.jit(do_not_specialize=["num_pairs", "num_experts"])
 def _moe_lora_kernel(
-    in_ptr, a_ptr, b_ptr, delta_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    in_ptr, a_ptr, b_ptr, delta_ptr, sorted_ids_ptr, block_groups_ptr, num_valid_ptr, ranks_ptr,
     K, N, num_pairs, num_experts,
     stride_im, stride_ik, stride_al, stride_ae, stride_ar, stride_ak,
     stride_bl, stride_be, stride_bn, stride_br, stride_dm, stride_dn,
-    R: tl.constexpr, ROW_DIV: tl.constexpr,
+    R: tl.constexpr, ROW_DIV: tl.constexpr, HAS_RANKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -56,6 +57,12 @@ def _moe_lora_kernel(
     rows = (pairs // ROW_DIV).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    b_r_mask = r_mask
+    if HAS_RANKS:  # A and B are zero past the slot's rank: do not read them (B up to the
+        # rank rounded to 8, whole 16-byte vectors)
+        rank = tl.load(ranks_ptr + slot)
+        r_mask = offs_r < rank
+        b_r_mask = offs_r < rank_ceil(rank)
     offs_k = tl.arange(0, BLOCK_K)
     in_rows = in_ptr + rows[:, None] * stride_im
     a_cols = a_ptr + slot * stride_al + expert * stride_ae + offs_r[None, :] * stride_ar
@@ -79,7 +86,7 @@ def _moe_lora_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        w = tl.load(b_rows + offs_n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        w = tl.load(b_rows + offs_n[None, :] * stride_bn, mask=b_r_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             w = w.to(tl.float32)
         delta = tl.dot(acc.to(w.dtype), w, input_precision=DOT_PRECISION)
@@ -89,10 +96,10 @@ def _moe_lora_kernel(
 
 
 def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delta: torch.Tensor,
-             align: Alignment, row_div: int) -> None:
+             align: Alignment, row_div: int, ranks: torch.Tensor | None = None) -> None:
     """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for the pairs of `align`
     (from align_lora); other rows are left as they are. lora_a [L, E, R, K]; lora_b
-    [L, E, N, R]; delta [P, N]."""
+    [L, E, N, R]; delta [P, N]; ranks: int32 [L], each slot's rank (A/B zero past it)."""
     _, num_experts, rank, k = lora_a.shape
     n = lora_b.shape[2]
     assert inp.shape[1] == k and delta.shape == (align.num_pairs, n), (inp.shape, lora_a.shape, delta.shape)
@@ -101,9 +108,10 @@ def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delt
         return
     _moe_lora_kernel[(align.num_blocks,)](
         inp, lora_a, lora_b, delta, align.sorted_ids, align.block_groups, align.num_valid,
+        ranks if ranks is not None else align.num_valid,
         k, n, align.num_pairs, num_experts,
         *inp.stride(), *lora_a.stride(), *lora_b.stride(), *delta.stride(),
-        R=rank, ROW_DIV=row_div, BLOCK_M=align.block_m,
+        R=rank, ROW_DIV=row_div, HAS_RANKS=ranks is not None, BLOCK_M=align.block_m,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),  # tl.dot needs >= 16 on a GPU
         BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, EVEN_K=k % BLOCK_K == 0, EVEN_N=n % BLOCK_N == 0,
         **dot_settings(inp.dtype), num_warps=NUM_WARPS,
