@@ -42,7 +42,17 @@ for step in $STEPS; do
         --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir /tmp/lp \
         --result-json "$OUT/gpt-oss.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss.txt"; tail -8 "$OUT/gpt-oss.txt" ;;
     train-moe)  # issue 7: one training step, Qwen3-30B-A3B-shaped MoE layers, vs transformers + PEFT
-      timeout 400 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 2>&1 \
-        | grep -v -i warn | tee "$OUT/train-moe.txt" | tail -8 ;;
+      timeout 200 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 2>&1 \
+        | grep -v -i warn | tee "$OUT/train-moe.txt" | tail -8
+      timeout 200 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 --moe-only 2>&1 \
+        | grep -v -i warn | tee "$OUT/train-moe-only.txt" | tail -8 ;;
+    cold)  # issue 6: 1,000 cold adapters from a registry; the step profile says where time goes
+      timeout 560 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 1000 \
+        --adapter-dist uniform zipf --cold-adapters --adapter-registry --max-loras 32 --max-cpu-loras 128 \
+        --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
+        --max-num-batched-tokens 2048 --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
+        | grep -v "it/s" > "$OUT/cold.txt"; tail -9 "$OUT/cold.txt" ;;
+    slot-load)
+      timeout 100 python3 benchmarks/slot_load.py 2>&1 | tee "$OUT/slot-load.txt" ;;
   esac
 done
