@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.lora_common import lora_tiles
 from loraplex.ops.triton.precision import dot_settings
 
@@ -80,17 +81,8 @@ def _lora_shrink_kernel(
     k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     for k0 in range(k_split * k_chunk, tl.minimum((k_split + 1) * k_chunk, K), BLOCK_K):
         k = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
-            a = tl.load(a_cols + k[:, None] * stride_ak, mask=r_mask[None, :], other=0.0)
-        else:
-            k_mask = k < K
-            x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            a = tl.load(a_cols + k[:, None] * stride_ak, mask=r_mask[None, :] & k_mask[:, None],
-                        other=0.0)
-        if UPCAST:
-            x, a = x.to(tl.float32), a.to(tl.float32)
+        x = row_tile(x_rows, k, K, m_mask, stride_xk, EVEN_K, UPCAST)
+        a = col_tile(a_cols, k, K, r_mask, stride_ak, EVEN_K, UPCAST)
         acc += tl.dot(x, a, input_precision=DOT_PRECISION)
 
     out = out_ptr + s * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or

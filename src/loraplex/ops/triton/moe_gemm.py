@@ -24,6 +24,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
+from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.moe_act import gated_act
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config
@@ -89,20 +90,11 @@ def _moe_gemm_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        if EVEN_K:
-            a_mask, w_mask = m_mask[:, None], n_mask[None, :]
-        else:
-            a_mask = m_mask[:, None] & (k[None, :] < K)
-            w_mask = n_mask[None, :] & (k[:, None] < K)
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=a_mask, other=0.0)
-        w = tl.load(w_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        if UPCAST:
-            a, w = a.to(tl.float32), w.to(tl.float32)
+        a = row_tile(a_rows, k, K, m_mask, stride_ak, EVEN_K, UPCAST)
+        w = col_tile(w_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if FUSE_ACT:
-            u = tl.load(up_cols + k[:, None] * stride_wk, mask=w_mask, other=0.0)
-            if UPCAST:
-                u = u.to(tl.float32)
+            u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
 
     if HAS_BIAS:

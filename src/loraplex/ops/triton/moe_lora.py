@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.lora_common import rank_ceil
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.precision import dot_settings
@@ -70,15 +71,8 @@ def _moe_lora_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        if EVEN_K:
-            x_mask, a_mask = m_mask[:, None], r_mask[None, :]
-        else:
-            x_mask = m_mask[:, None] & (k[None, :] < K)
-            a_mask = r_mask[None, :] & (k[:, None] < K)
-        x = tl.load(in_rows + k[None, :] * stride_ik, mask=x_mask, other=0.0)
-        a = tl.load(a_cols + k[:, None] * stride_ak, mask=a_mask, other=0.0)
-        if UPCAST:
-            x, a = x.to(tl.float32), a.to(tl.float32)
+        x = row_tile(in_rows, k, K, m_mask, stride_ik, EVEN_K, UPCAST)
+        a = col_tile(a_cols, k, K, r_mask, stride_ak, EVEN_K, UPCAST)
         acc += tl.dot(x, a, input_precision=DOT_PRECISION)
 
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + offs_r[:, None] * stride_br
