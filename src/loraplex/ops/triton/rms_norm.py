@@ -15,6 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
+def scale_normed(x, w, dtype, UNIT_OFFSET: tl.constexpr):
+    """x * rstd (float32) times the norm weight, rounded as the model rounds it: Llama
+    rounds to `dtype` first, Gemma (UNIT_OFFSET) scales by 1 + w in float32. The result
+    is float32, still to be rounded. Shared with the rotary kernel's q/k norm."""
+    if UNIT_OFFSET:
+        return x * (1.0 + w)
+    return x.to(dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     N, eps,
@@ -36,11 +46,9 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        y = x * rstd * (1.0 + w)
-    else:
-        y = (x * rstd).to(dtype).to(tl.float32) * w
+    y = scale_normed(x * rstd, w, dtype, UNIT_OFFSET)
     tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y.to(dtype), mask=mask)
+
 
 
 def _launch(x, residual, weight, eps, unit_offset):

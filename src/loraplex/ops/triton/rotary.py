@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import QKNorm
+from loraplex.ops.triton.rms_norm import scale_normed
 
 
 @triton.jit
@@ -49,13 +50,8 @@ def _rotary_kernel(
             rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
             w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
             w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            x1, x2 = x1 * rstd[:, None], x2 * rstd[:, None]
-            if UNIT_OFFSET:  # Gemma: scale by (1 + w) in float32, then round
-                x1 = (x1 * (1.0 + w1)).to(dtype).to(tl.float32)
-                x2 = (x2 * (1.0 + w2)).to(dtype).to(tl.float32)
-            else:  # round, scale, round
-                x1 = (x1.to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-                x2 = (x2.to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            x1 = scale_normed(x1 * rstd[:, None], w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+            x2 = scale_normed(x2 * rstd[:, None], w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
         tl.store(dst + h[:, None] * d_h + d[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
         tl.store(dst + h[:, None] * d_h + HALF + d[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
