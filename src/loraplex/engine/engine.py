@@ -246,7 +246,7 @@ class LLMEngine:
             outputs += self._finish_step(launched)
         if self.step_log is not None and plan.chunks:
             self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch,
-                                  getattr(self.runner, "slot_load_s", 0.0)))
+                                  self.runner.slot_load_s))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:

@@ -80,6 +80,7 @@ class ModelRunner:
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
         # Adapter copies into GPU slots, and per slot the last step that read it.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.slot_load_s = 0.0  # host time of the last launch's slot copies (bench step profile)
         if self.device.type == "cuda":
             # cuBLASLt picks better kernels for decode's skinny GEMMs (M = batch): on an
             # H200, o_proj 13.8 -> 11.5 us and down_proj 33.5 -> 31.1 us at M = 32
@@ -221,7 +222,7 @@ class ModelRunner:
     def _launch(self, plan: StepPlan) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
-        self.slot_load_s = 0.0  # host time of this launch's slot copies (bench step profile)
+        self.slot_load_s = 0.0
         if plan.lora_loads:
             t0 = time.perf_counter()
             self._load_slots(plan.lora_loads)

@@ -125,22 +125,21 @@ class ExpertProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, a, b, scale: float, groups: Groups, backend: str,
                 pairs: SortedPairs | None = None):
-        index = None if pairs is None else pairs.tokens
         ctx.pairs = pairs
-        xs = x if index is None else x[index]
+        xs = x if pairs is None else x[pairs.tokens]
         y = gmm(xs, w, groups, backend)
         xa = None
         if a is not None:
             xa = gmm(xs, a, groups, backend)
             y = y.add_(gmm(xa, b, groups, backend), alpha=scale)
-        ctx.save_for_backward(x, w, a, b, xa, index)
+        ctx.save_for_backward(x, w, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, w, a, b, xa, index = ctx.saved_tensors
-        s, groups, backend = ctx.scale, ctx.groups, ctx.backend
+        x, w, a, b, xa = ctx.saved_tensors
+        s, groups, backend, pairs = ctx.scale, ctx.groups, ctx.backend, ctx.pairs
         g = g.contiguous()  # e.g. the expanded gradient of a sum
         gx = ga = gb = gxa = None
         if a is not None:
@@ -148,13 +147,13 @@ class ExpertProjection(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 gb = outer(xa, g, groups, backend).mul_(s)
             if ctx.needs_input_grad[2]:
-                ga = outer(x if index is None else x[index], gxa, groups, backend)
+                ga = outer(x if pairs is None else x[pairs.tokens], gxa, groups, backend)
         if ctx.needs_input_grad[0]:
             gx = gmm(g, w.transpose(1, 2), groups, backend)
             if gxa is not None:
                 gx = gx.add_(gmm(gxa, a.transpose(1, 2), groups, backend))
-            if index is not None:  # each token's rows summed back onto it
-                gx = sum_by_token(gx, ctx.pairs)
+            if pairs is not None:  # each token's rows summed back onto it
+                gx = sum_by_token(gx, pairs)
         return gx, None, ga, gb, None, None, None, None
 
 
