@@ -77,7 +77,8 @@ def main():
                                     p.layer.lora_b[11 % SLOTS, p.layer.slice_rows(p.slice)].flatten()))
                          for p in projections.values()])
         assert torch.equal(got, want), "slot contents differ from the adapter"
-        print(f"{'batched' if batched else 'per tensor':10s}: host {statistics.median(host[2:]) * 1e3:7.2f} ms, "
+        label = "batched" if batched else "per tensor"
+        print(f"{label:10s}: host {statistics.median(host[2:]) * 1e3:7.2f} ms, "
               f"GPU {statistics.median(gpu[2:]):7.2f} ms per load ({buf.nbytes / 2**20:.0f} MiB)")
 
 

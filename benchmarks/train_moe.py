@@ -145,7 +145,8 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
         "sort_pairs": lambda: sort_pairs(top, e),
         "gather x[tokens] [P,H]": lambda: x[tokens],
         "gmm gate_up base (fwd)": lambda: gmm(xs, w_gu, groups, backend),
-        "gmm gate_up lora shrink+expand (fwd)": lambda: gmm(gmm(xs, a_gu, groups, backend), b_gu, groups, backend),
+        "gmm gate_up lora shrink+expand (fwd)":
+            lambda: gmm(gmm(xs, a_gu, groups, backend), b_gu, groups, backend),
         "silu(gate)*up (fwd)": lambda: torch.nn.functional.silu(gu[:, :i]) * gu[:, i:],
         "gmm down base (fwd)": lambda: gmm(hh, w_d, groups, backend),
         "gmm down lora (fwd)": lambda: gmm(gmm(hh, a_d, groups, backend), b_d, groups, backend),
@@ -198,7 +199,8 @@ def main():
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\n{'MoE blocks alone' if args.moe_only else 'whole model'}, {args.layers} layers")
-    print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB | memory saved |")
+    print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB "
+          "| memory saved |")
     print("|---|---|---|---|---|---|---|")
     for s in args.seq_lens:
         a = next(r for r in rows if r[0] == "loraplex" and r[1] == s)

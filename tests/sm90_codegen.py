@@ -78,7 +78,8 @@ def kernels() -> dict:
             stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
             stride_bn=0, stride_om=n, stride_on=1, stride_dm=2 * n if fuse else n,
             ROW_DIV=const(8 if fuse else 1), HAS_BIAS=const(False), FUSE_ACT=const(fuse),
-            HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"), ALPHA=const(1.702),
+            HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"),
+            ALPHA=const(1.702),
             MUL_ROUTED_WEIGHT=const(not fuse), BLOCK_M=const(64), BLOCK_N=const(128),
             BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True), **tf32),
             num_warps=8)
@@ -87,7 +88,8 @@ def kernels() -> dict:
         num_valid_ptr=i32, ranks_ptr=i32, K=h, N=2 * inter, num_pairs=5, num_experts=experts,
         stride_im=h, stride_ik=1, stride_al=experts * r * h, stride_ae=r * h, stride_ar=h, stride_ak=1,
         stride_bl=experts * 2 * inter * r, stride_be=2 * inter * r, stride_bn=r, stride_br=1,
-        stride_dm=2 * inter, stride_dn=1, R=const(r), ROW_DIV=const(8), HAS_RANKS=const(True), BLOCK_M=const(16),
+        stride_dm=2 * inter, stride_dn=1, R=const(r), ROW_DIV=const(8), HAS_RANKS=const(True),
+        BLOCK_M=const(16),
         BLOCK_R=const(r), BLOCK_K=const(64), BLOCK_N=const(128), EVEN_K=const(True),
         EVEN_N=const(True), **tf32))
     return {name: widths(ptx) for name, ptx in out.items()}

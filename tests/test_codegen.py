@@ -23,7 +23,8 @@ def counts() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kernel", ["lora_expand_gemv", "lora_expand_sgmv", "moe_gemm_gate_up", "moe_gemm_down"])
+@pytest.mark.parametrize("kernel", ["lora_expand_gemv", "lora_expand_sgmv", "moe_gemm_gate_up",
+                                    "moe_gemm_down"])
 def test_bf16_outputs_are_not_read_or_written_one_element_at_a_time(counts, kernel):
     c = counts[kernel]
     assert c.get("ld.b16", 0) == 0 and c.get("st.b16", 0) == 0, c

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Protocol
 
 import torch
-
 from torch import nn
 
 from loraplex.adapters.peft import LoRAAdapter
@@ -136,7 +135,8 @@ class LoRASlotBuffers:
         key = (id(layer), i, slot, r)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = (layer.lora_a[i, slot, :r], layer.lora_b[slot, layer.slice_rows(i), :r])
+            views = (layer.lora_a[i, slot, :r], layer.lora_b[slot, layer.slice_rows(i), :r])
+            self._views[key] = views
         return views
 
     def _load_dora(self, slot: int, adapter: LoRAAdapter) -> None:

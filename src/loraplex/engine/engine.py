@@ -35,7 +35,6 @@ from loraplex.types import (
     SamplingParams,
 )
 
-
 # The GIL switch interval while adapter loader threads run (see LLMEngine.__init__). 0.5 ms
 # is the measured best so far (5 ms before); lower values are untested on a GPU: the
 # variable is there to try them.

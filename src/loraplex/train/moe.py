@@ -178,7 +178,8 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> SortedPairs:
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     top_k = top_k_index.shape[1]
-    return SortedPairs(order, order // top_k, flat[order], inv, top_k, Groups(counts.cumsum(0).to(torch.int32)))
+    groups = Groups(counts.cumsum(0).to(torch.int32))
+    return SortedPairs(order, order // top_k, flat[order], inv, top_k, groups)
 
 
 def sum_by_token(rows: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:
