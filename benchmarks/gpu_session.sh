@@ -50,8 +50,8 @@ for step in $STEPS; do
       timeout 560 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 1000 \
         --adapter-dist uniform zipf --cold-adapters --adapter-registry --max-loras 32 --max-cpu-loras 128 \
         --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
-        --max-num-batched-tokens 2048 --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
-        | grep -v "it/s" > "$OUT/cold.txt"; tail -9 "$OUT/cold.txt" ;;
+        --max-num-batched-tokens 2048 --sample-stacks ${COLD_ARGS:-} --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
+        | grep -v "it/s" > "$OUT/cold.txt"; tail -40 "$OUT/cold.txt" ;;
     slot-load)
       timeout 100 python3 benchmarks/slot_load.py 2>&1 | tee "$OUT/slot-load.txt" ;;
   esac

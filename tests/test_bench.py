@@ -59,15 +59,19 @@ def test_bench_cold_adapters(model_dirs, tmp_path, capsys, registry):
                 "--input-len", "8", "--output-len", "4", "--max-concurrency", "4",
                 "--num-adapters", "40", "--adapter-dist", "uniform", "zipf", "--cold-adapters",
                 "--max-loras", "2", "--max-cpu-loras", "3", "--lora-rank", "4", "--dtype", "float32",
-                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out),
+                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out), "--sample-stacks",
                 *(["--adapter-registry"] if registry else [])])
     assert code == 0
-    assert "40 adapters (zipf, cold)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "40 adapters (zipf, cold)" in printed and "runner.launch in" in printed
     rows = json.loads(out.read_text())
+    stacks = rows[0]["extra"]["launch_stacks"]
+    assert stacks["samples"] > 0 and 0 <= stacks["inside"] <= stacks["samples"]
     assert [r["num_failed"] for r in rows] == [0, 0]
     tiers = rows[0]["extra"]["adapter_tiers"]
     assert sum(tiers.values()) == 12 and tiers.get("disk", 0) >= 6
     assert rows[0]["extra"]["adapter_load_ms"]["median"] > 0
+    assert all(row["count"] > 0 and "loraplex/" in row["loraplex"] for row in stacks["top"])
 
 
 class _FakeOpenAI(BaseHTTPRequestHandler):
@@ -142,5 +146,6 @@ def test_compiled_kernels_reports_variants_compiled_meanwhile():
     with compiled_kernels() as compiled:
         knobs.runtime.jit_post_compile_hook(key=1, repr="_rotary_kernel[num_warps=4](...)", fn=None,
                                             compile={}, is_manual_warmup=False, already_compiled=False)
-    assert compiled == ["_rotary_kernel[num_warps=4](...)"]
+    assert len(compiled) == 1 and compiled[0].startswith("_rotary_kernel[num_warps=4](...) called from ")
+    assert "test_bench.py" not in compiled[0]  # only loraplex's own calls are named
     assert knobs.runtime.jit_post_compile_hook is before

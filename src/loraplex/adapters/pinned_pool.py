@@ -31,6 +31,7 @@ class PinnedPool:
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
             (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None) for _ in range(count)]
         self._lock = threading.Lock()
+        self.misses = 0  # takes that found no buffer (the load then page-locks its own)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of >= nbytes (None if the pool is spent or nbytes is too big: the
@@ -39,6 +40,7 @@ class PinnedPool:
             return None
         with self._lock:
             if not self._free:
+                self.misses += 1
                 return None
             buf, event = self._free.pop()
         if event is not None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
-from contextlib import contextmanager
+import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from loraplex.bench.clients import run_http, run_in_process
 from loraplex.bench.report import format_table, plot, summarize, to_json
+from loraplex.bench.stack_sampler import StackSampler
 from loraplex.bench.synthetic import LINEAR_TARGETS
 from loraplex.bench.workload import BUNDLED_CONFIGS, make_requests, prepare_adapters, prepare_model_dir
 from loraplex.types import LoRARequest, SamplingParams
@@ -62,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, metavar="PNG")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="in process: sample where the engine thread spends its host time in "
+                        "runner.launch (reported per run)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -87,6 +93,14 @@ def main(args: argparse.Namespace) -> int:
             load = r.extra.get("adapter_load_ms", {})
             print(f"{r.label}: adapter tiers {r.extra['adapter_tiers']}, load ms median "
                   f"{load.get('median', 0):.1f} p99 {load.get('p99', 0):.1f}")
+        if "pinned_allocs" in r.extra:
+            print(f"{r.label}: page-locked allocations while timed {r.extra['pinned_allocs']}")
+        if "launch_stacks" in r.extra:
+            st = r.extra["launch_stacks"]
+            print(f"{r.label}: runner.launch in {st['inside']} of {st['samples']} stack samples, "
+                  f"thread states {st['states']}; most sampled:")
+            for row in st["top"][:12]:
+                print(f"  {row['count']:6d} {row['state']} {row['loraplex']} | {row['innermost']}")
         if "moe_experts_per_layer_decode" in r.extra:
             print(f"{r.label}: a decode step touches {r.extra['moe_experts_per_layer_decode']:.1f} "
                   "distinct experts per MoE layer (mean)")
@@ -171,10 +185,16 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         steps_before = engine.num_steps
         engine.runner.reset_moe_routing_stats()
         engine.step_log = []
-        with compiled_kernels() as compiled:
+        sampler = StackSampler(threading.current_thread()) if args.sample_stacks else nullcontext()
+        pinned_before = _pinned_allocs()
+        with compiled_kernels() as compiled, sampler:
             records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
                  "steps": step_profile(engine.step_log), "compiled_while_timed": compiled}
+        if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
+            extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in _pinned_allocs().items()}
+        if args.sample_stacks:
+            extra["launch_stacks"] = sampler.report()
         engine.step_log = None
         if compiled:
             logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
@@ -197,9 +217,13 @@ def compiled_kernels():
         yield compiled
         return
     previous = knobs.runtime.jit_post_compile_hook
+    package = str(Path(__file__).parents[1]) + "/"
 
     def hook(*_, **kw):
-        compiled.append(str(kw.get("repr", "?"))[:300])
+        # The variant (its constexprs close the repr) and the loraplex calls that asked for it.
+        calls = [f"{f.filename[len(package):]}:{f.lineno} {f.name}"
+                 for f in traceback.extract_stack() if f.filename.startswith(package)][-6:-1]
+        compiled.append(f"{str(kw.get('repr', '?'))[:1500]} called from {' < '.join(reversed(calls))}")
         if previous:
             previous(*_, **kw)
 
@@ -208,6 +232,18 @@ def compiled_kernels():
         yield compiled
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def _pinned_allocs() -> dict[str, float] | None:
+    """Page-locked blocks PyTorch's host allocator created and returned so far, and the
+    milliseconds those CUDA calls took."""
+    import torch
+
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    s = torch.cuda.host_memory_stats()
+    return {"allocs": s.get("num_host_alloc", 0), "alloc_ms": s.get("host_alloc_time.total", 0) / 1e3,
+            "frees": s.get("num_host_free", 0), "free_ms": s.get("host_free_time.total", 0) / 1e3}
 
 
 def step_profile(log: list[tuple[float, int, int, float, float]]) -> dict:

@@ -197,6 +197,8 @@ class LLMEngine:
             out["adapter_host_evictions"] = self.adapters.host.num_evictions
             out["adapters_loading"] = self.adapters.num_loading
             out["adapters_in_host"] = len(self.adapters.host)
+            if self.adapters.pool is not None:
+                out["adapter_pinned_pool_misses"] = self.adapters.pool.misses
         experts = self.runner.moe_experts_per_layer()
         if experts is not None:
             out["moe_experts_per_layer_decode"] = experts
