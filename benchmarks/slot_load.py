@@ -56,7 +56,8 @@ def main():
         a_n, b_n = RANK * p.layer.in_features, p.layer.output_sizes[p.slice] * RANK
         weights[m] = (buf[off:off + a_n].view(RANK, -1), buf[off + a_n:off + a_n + b_n].view(-1, RANK))
         off += a_n + b_n
-    adapter = LoRAAdapter("k", "a", "", RANK, weights)
+    tensors = {f"{m}.{ab}": t for m, pair in weights.items() for ab, t in zip("AB", pair)}
+    adapter = LoRAAdapter("k", "a", "", RANK, tensors, {m: (f"{m}.A", f"{m}.B", 2.0) for m in weights})  # alpha 2r
     stream = torch.cuda.Stream()
     for batched in (False, True, False, True):
         slots_mod.BATCHED_COPIES = batched
@@ -72,7 +73,7 @@ def main():
                 end.record()
             end.synchronize()
             gpu.append(start.elapsed_time(end))
-        want = torch.cat([w.flatten() for ab in weights.values() for w in ab]).to(dev)
+        want = torch.cat([w.flatten() * s for a, b in weights.values() for w, s in ((a, 1), (b, 2))]).to(dev)
         got = torch.cat([torch.cat((p.layer.lora_a[p.slice, 11 % SLOTS].flatten(),
                                     p.layer.lora_b[11 % SLOTS, p.layer.slice_rows(p.slice)].flatten()))
                          for p in projections.values()])

@@ -39,6 +39,7 @@ from loraplex.adapters.peft import (
 )
 from loraplex.adapters.pinned_pool import PinnedPool
 from loraplex.adapters.registry import Registry
+from loraplex.adapters.safetensors_io import TensorFile
 from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolve
 from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
 from loraplex.types import LoRARequest
@@ -303,6 +304,7 @@ def _weights_size(adapter_dir: str) -> int:
 
 
 def _lives_in(adapter: LoRAAdapter, buf: torch.Tensor) -> bool:
-    """Its dense tensors are views of `buf` (an experts-only adapter has none there)."""
-    a = next((a for a, _ in adapter.weights.values()), None)
-    return a is not None and a.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    """Its dense tensors are those of the file read into `buf` (an experts-only adapter
+    keeps none of them: its expert tensors are re-laid out into a buffer of their own)."""
+    t = adapter.tensors
+    return isinstance(t, TensorFile) and t.buffer.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 
 import torch
 
+from loraplex.adapters.safetensors_io import TensorFile
+
 # Config fields that change what an adapter computes.
 MATH_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern",
                "alpha_pattern", "fan_in_fan_out")
@@ -28,40 +30,54 @@ def _bytes(t: torch.Tensor) -> memoryview:
 def data_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 of every tensor's bytes, in name order. Tensors that sit back to back in
     one buffer (a file read whole) are hashed as one run: one call, the GIL released."""
-    h = hashlib.sha256()
-    run_start = run_end = None
+    if isinstance(tensors, TensorFile):  # from the header's offsets: no tensor views
+        spans = [(e.begin, e.end) for _, e in sorted(tensors.entries.items())]
+        return _digest_runs(spans, lambda b, e: tensors.bytes(b, e).data)
+    spans = []
     for name in sorted(tensors):
         t = tensors[name]
-        ptr = t.data_ptr() if t.is_contiguous() else None
-        if ptr is not None and ptr == run_end:
-            run_end += t.nbytes
+        if t.is_contiguous():
+            spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
+        else:  # hashed on its own, from a contiguous copy
+            spans.append((None, _bytes(t)))
+    return _digest_runs(spans, _span)
+
+
+def _digest_runs(spans: list[tuple], read) -> str:
+    """spans: (begin, end) addresses in name order, or (None, bytes) for a copied tensor;
+    adjacent spans are hashed as one run."""
+    h = hashlib.sha256()
+    run = None
+    for begin, end in spans:
+        if begin is not None and run is not None and run[1] == begin:
+            run = (run[0], end)
             continue
-        if run_start is not None:
-            h.update(_span(run_start, run_end))
-        if ptr is None:
-            h.update(_bytes(t))
-            run_start = run_end = None
+        if run is not None:
+            h.update(read(*run))
+            run = None
+        if begin is None:
+            h.update(end)
         else:
-            run_start, run_end = ptr, ptr + t.nbytes
-    if run_start is not None:
-        h.update(_span(run_start, run_end))
+            run = (begin, end)
+    if run is not None:
+        h.update(read(*run))
     return h.hexdigest()
-
-
-def _span(start: int, end: int) -> memoryview:
-    import ctypes
-
-    return memoryview((ctypes.c_ubyte * (end - start)).from_address(start)).cast("B")
 
 
 def manifest(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> dict:
     return {
         "format": "loraplex-adapter/1",
         "config": {k: config[k] for k in MATH_FIELDS if config.get(k) not in (None, {}, False)},
-        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                    for name, t in sorted(tensors.items())},
+        "tensors": {name: {"dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
+                    for name, (dtype, shape) in sorted(_meta(tensors).items())},
         "data_sha256": data_digest(tensors),
     }
+
+
+def _meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple]]:
+    if isinstance(tensors, TensorFile):
+        return {name: (e.dtype, e.shape) for name, e in tensors.entries.items()}
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
 def content_id(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> str:

@@ -8,15 +8,17 @@ skipped silently: a tensor this model cannot apply is an error.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loraplex.adapters.experts import ExpertLoRA, ExpertShape, canonical_experts, lora_scaling, owner
-from loraplex.adapters.safetensors_io import read_safetensors
+from loraplex.adapters.safetensors_io import TensorFile, read_safetensors
 from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
@@ -34,9 +36,13 @@ class LoRAAdapter:
     name: str
     path: str
     rank: int  # the largest rank over its modules
-    # Module path (e.g. "model.layers.0.self_attn.q_proj") -> (A [r, in], B [out, r]),
-    # in the model's dtype, with the adapter's scaling already multiplied into B.
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # Its dense LoRA tensors by name, in the model's dtype, as in the file: a TensorFile
+    # (views made on first use) or, after a dtype conversion, a dict.
+    tensors: Mapping[str, torch.Tensor]
+    # Module path (e.g. "model.layers.0.self_attn.q_proj") -> (name of A [r, in], name of
+    # B [out, r], the scaling of B: lora_alpha / r, rsLoRA and patterns folded in; the
+    # slot copy multiplies B by it).
+    modules: dict[str, tuple[str, str, float]]
     # DoRA: module path -> magnitude vector [out] (float32); empty for plain LoRA.
     magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)
     # MoE: experts module path -> per-expert A/B (adapters/experts.py), model dtype.
@@ -47,9 +53,19 @@ class LoRAAdapter:
     last_copy: object = None
 
     @property
+    def weights(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Module path -> (A, B) as tensors (B unscaled)."""
+        return {m: (self.tensors[a], self.tensors[b]) for m, (a, b, _) in self.modules.items()}
+
+    def shape(self, tensor_name: str) -> tuple[int, ...]:
+        t = self.tensors
+        return t.entries[tensor_name].shape if isinstance(t, TensorFile) else tuple(t[tensor_name].shape)
+
+    @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values()) + sum(
-            m.nbytes for m in self.magnitudes.values()) + sum(
+        meta = _meta(self.tensors)
+        return sum(meta[n][0].itemsize * math.prod(meta[n][1]) for a, b, _ in self.modules.values()
+                   for n in (a, b)) + sum(m.nbytes for m in self.magnitudes.values()) + sum(
             t.nbytes for x in self.experts.values() for t in x.tensors())
 
 
@@ -114,16 +130,19 @@ def to_canonical(
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoRAAdapter:
-    """Validate a PEFT adapter's tensors against the model and fold its scaling into B.
+    """Validate a PEFT adapter's tensors against the model and work out each module's
+    scaling. Dense modules keep the file's tensors (read from a `TensorFile`, no view is
+    made here: names, shapes and bytes come from its header and buffer).
 
     targets: what the model can adapt (a plain mapping: its projections, no experts).
     """
     if not isinstance(targets, AdapterTargets):
         targets = AdapterTargets(targets)
     projections = targets.projections
-    halves: dict[str, dict[str, torch.Tensor]] = {}
+    meta = _meta(tensors)
+    halves: dict[str, dict[str, str]] = {}  # module -> "A"/"B"/"m" -> tensor name
     on_experts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-    for tensor_name, t in tensors.items():
+    for tensor_name in tensors:
         m = _KEY.match(tensor_name)
         if m is None:
             raise AdapterInvalid(name, f"unsupported tensor {tensor_name!r}")
@@ -132,16 +151,15 @@ def to_canonical(
             module = module.replace(old, new)
         in_experts = owner(module, targets.experts) if module not in projections else None
         if in_experts is not None and m["ab"] in "AB":
-            path, rest = in_experts
-            on_experts.setdefault(path, {}).setdefault(rest, {})[m["ab"]] = t
+            experts_path, rest = in_experts
+            on_experts.setdefault(experts_path, {}).setdefault(rest, {})[m["ab"]] = tensors[tensor_name]
             continue
         if module not in projections:
             raise AdapterInvalid(name, f"targets {module!r}, which this model cannot adapt")
-        halves.setdefault(module, {})[m["ab"][0]] = t
+        halves.setdefault(module, {})[m["ab"][0]] = tensor_name
     if not halves and not on_experts:
         raise AdapterInvalid(name, f"{WEIGHTS_FILE} holds no LoRA weights")
 
-    use_rslora = bool(config.get("use_rslora", False))
     use_dora = bool(config.get("use_dora", False))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -158,52 +176,51 @@ def to_canonical(
     if not _all_finite(raw_expert_tensors):
         raise AdapterInvalid(name, "expert LoRA weights have NaN or infinite values")
     experts = canonical_experts(name, config, on_experts, targets.experts, scaling_of, max_rank)
-    weights, magnitudes = {}, {}
+    modules, magnitudes = {}, {}
     for module, ab in sorted(halves.items()):
         if not {"A", "B"} <= set(ab):
             raise AdapterInvalid(name, f"{module} has lora_{''.join(ab)} but not both A and B")
         if ("m" in ab) != use_dora:
             what = "has no" if use_dora else "has a DoRA"
             raise AdapterInvalid(name, f"{module} {what} magnitude vector (use_dora={use_dora})")
-        a, b = ab["A"], ab["B"]
+        a_shape, b_shape = meta[ab["A"]][1], meta[ab["B"]][1]
         in_f, out_f = projections[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
+        r = a_shape[0] if a_shape else 0
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or b_shape != (out_f, r):
             raise AdapterInvalid(
                 name,
-                f"{module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit "
-                f"a {in_f} -> {out_f} projection",
+                f"{module}: lora_A {a_shape} / lora_B {b_shape} do not fit a {in_f} -> {out_f} projection",
             )
         if r > max_rank:
             raise AdapterTooLarge(name, f"rank {r} of {module} exceeds max_lora_rank={max_rank}")
-        weights[module] = (a, b, scaling_of(module, r))
+        modules[module] = (ab["A"], ab["B"], scaling_of(module, r))
         if use_dora:
             # A copy: the file's buffer goes back to the pinned pool when A and B were
             # converted out of it, and a view would then read another adapter's bytes.
-            mag = ab["m"].to(torch.float32, copy=True).reshape(-1)
+            mag = tensors[ab["m"]].to(torch.float32, copy=True).reshape(-1)
             if mag.shape != (out_f,) or not torch.isfinite(mag).all():
-                raise AdapterInvalid(name, f"{module}: bad magnitude vector {tuple(ab['m'].shape)}")
+                raise AdapterInvalid(name, f"{module}: bad magnitude vector {tuple(mag.shape)}")
             magnitudes[module] = mag.contiguous()
     # The dense kernels bound their loops by this; expert slots have their own capacity.
-    rank = max([a.shape[0] for a, _, _ in weights.values()]
+    rank = max([meta[a][1][0] for a, _, _ in modules.values()]
                + [t.shape[1] for x in experts.values() for t in (x.a_gate_up, x.a_down) if t is not None])
     rank = min(rank, max_rank)
-    if not _all_finite([t for a, b, _ in weights.values() for t in (a, b)]):
-        bad = next(m for m, (a, b, _) in weights.items() if not _all_finite([a, b]))
+    dense = [n for a, b, _ in modules.values() for n in (a, b)]
+    if not _all_finite_named(tensors, dense):
+        bad = next(m for m, (a, b, _) in modules.items() if not _all_finite_named(tensors, [a, b]))
         raise AdapterInvalid(name, f"{bad} has NaN or infinite weights")
-    if any(t.dtype != dtype for a, b, _ in weights.values() for t in (a, b)):
-        weights = _converted(weights, dtype)
-    # Fold each module's scaling into B, in place (the buffer is this load's own): one
-    # call per distinct scaling value, not one per tensor.
-    by_scaling: dict[float, list[torch.Tensor]] = {}
-    for _, b, scaling in weights.values():
-        if scaling != 1:
-            by_scaling.setdefault(scaling, []).append(b)
-    for scaling, bs in by_scaling.items():
-        torch._foreach_mul_(bs, scaling)
-    return LoRAAdapter(key=key, name=name, path=path, rank=rank,
-                       weights={m: (a, b) for m, (a, b, _) in weights.items()}, magnitudes=magnitudes,
-                       experts=_experts_in(experts, dtype))
+    kept: Mapping[str, torch.Tensor] = tensors if modules else {}
+    if any(meta[n][0] != dtype for n in dense):
+        kept = dict(zip(dense, _packed([tensors[n] for n in dense], dtype)))
+    return LoRAAdapter(key=key, name=name, path=path, rank=rank, tensors=kept, modules=modules,
+                       magnitudes=magnitudes, experts=_experts_in(experts, dtype))
+
+
+def _meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """dtype and shape by name (from the header for a TensorFile: no views made)."""
+    if isinstance(tensors, TensorFile):
+        return {n: (e.dtype, e.shape) for n, e in tensors.entries.items()}
+    return {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
 
 
 def _experts_in(experts: dict[str, ExpertLoRA], dtype: torch.dtype) -> dict[str, ExpertLoRA]:
@@ -216,12 +233,6 @@ def _experts_in(experts: dict[str, ExpertLoRA], dtype: torch.dtype) -> dict[str,
     return {path: ExpertLoRA(*p) for path, p in parts.items()}
 
 
-def _converted(weights: dict, dtype: torch.dtype) -> dict:
-    """A and B cast to the model's dtype, into one new (page-locked if CUDA) buffer."""
-    it = iter(_packed([t for a, b, _ in weights.values() for t in (a, b)], dtype))
-    return {m: (next(it), next(it), s) for m, (_, _, s) in weights.items()}
-
-
 def _packed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """Copies of `tensors` in `dtype`, back to back in one (page-locked if CUDA) buffer."""
     buf = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, pin_memory=torch.cuda.is_available())
@@ -232,6 +243,20 @@ def _packed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tenso
     if out:
         torch._foreach_copy_(out, tensors)
     return out
+
+
+def _all_finite_named(tensors: Mapping[str, torch.Tensor], names: list[str]) -> bool:
+    """_all_finite of tensors[name] for `names`; for a TensorFile from the buffer's bytes
+    (runs of back-to-back tensors of one dtype checked at once), making no views."""
+    if not isinstance(tensors, TensorFile):
+        return _all_finite([tensors[n] for n in names])
+    runs: list[list] = []  # [dtype, begin, end]
+    for e in sorted((tensors.entries[n] for n in names), key=lambda e: e.begin):
+        if runs and runs[-1][0] == e.dtype and runs[-1][2] == e.begin:
+            runs[-1][2] = e.end
+        else:
+            runs.append([e.dtype, e.begin, e.end])
+    return all(_finite_bytes(tensors.bytes(begin, end), dtype) for dtype, begin, end in runs)
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -254,19 +279,35 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 _CHUNK = 1 << 22  # elements per finiteness check: a small temporary, reused
+_INF_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # exponent all ones: inf or NaN
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """All finite. 16-bit floats by their exponent bits (|bits| >= all-ones exponent means
-    inf or NaN): several times cheaper on a CPU than isfinite. In chunks, so loader
-    threads do not each fault in a fresh adapter-sized temporary (page faults serialize
-    on the process's memory map)."""
     flat = t.reshape(-1)
-    if t.dtype in (torch.bfloat16, torch.float16):
-        inf = 0x7F80 if t.dtype == torch.bfloat16 else 0x7C00
-        bits = flat.view(torch.int16)
-        return all(int((bits[i : i + _CHUNK] & 0x7FFF).max()) < inf for i in range(0, bits.numel(), _CHUNK))
-    return all(bool(torch.isfinite(flat[i : i + _CHUNK]).all()) for i in range(0, flat.numel(), _CHUNK))
+    if t.dtype not in _NP_FLOATS:
+        flat = flat.float()
+    return _finite_bytes(flat.view(torch.uint8).numpy(), flat.dtype)
+
+
+_NP_FLOATS = {torch.bfloat16: np.int16, torch.float16: np.int16, torch.float32: np.float32,
+              torch.float64: np.float64}
+
+
+def _finite_bytes(raw: np.ndarray, dtype: torch.dtype) -> bool:
+    """All finite, checked on the raw bytes in NumPy: one thread, the GIL released (torch
+    would spread the check over every core from each loader thread). 16-bit floats by
+    their exponent bits: |bits| >= all-ones exponent means inf or NaN. In chunks, so
+    loader threads do not each fault in a fresh adapter-sized temporary."""
+    values = raw.view(_NP_FLOATS[dtype])
+    if dtype in _INF_BITS:
+        tmp = np.empty(min(_CHUNK, values.size), dtype=np.int16)
+        for i in range(0, values.size, _CHUNK):
+            part = tmp[: min(_CHUNK, values.size - i)]
+            np.bitwise_and(values[i : i + _CHUNK], 0x7FFF, out=part)
+            if part.size and part.max() >= _INF_BITS[dtype]:
+                return False
+        return True
+    return all(bool(np.isfinite(values[i : i + _CHUNK]).all()) for i in range(0, values.size, _CHUNK))
 
 
 def _check_config(name: str, config: dict) -> None:

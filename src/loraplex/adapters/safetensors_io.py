@@ -1,22 +1,67 @@
 """Read a .safetensors file into one (page-locked) buffer and view its tensors in place.
 
 An adapter load is then one read into memory a GPU copy can start from, with no copy per
-tensor: hundreds of small tensor operations would each re-take the GIL from a busy
-engine thread, which made loads on worker threads take seconds. Corrupt files (short,
-bad header, offsets out of range, unknown dtypes) raise ValueError.
+tensor. The views are made only when asked for (`TensorFile`): a loader thread checks
+names, shapes and bytes from the header and the buffer, and a GPU copy needs only byte
+offsets. Each view is a few torch calls, and each torch call on a worker thread hands
+the GIL back and forth with the engine thread, whose every kernel launch then waits for
+it: hundreds per adapter slowed the engine's eager steps several times over while
+adapters loaded. Corrupt files (short, bad header, offsets out of range, unknown
+dtypes) raise ValueError.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
-def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+class Entry(NamedTuple):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # byte offsets in the buffer
+    end: int
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """A safetensors file read whole into `buffer`: its tensors by name, each a view of
+    the buffer made on first access; `entries` describe them without making any."""
+
+    def __init__(self, buffer: torch.Tensor, entries: dict[str, Entry]):
+        self.buffer, self.entries = buffer, entries
+        self._views: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self._views.get(name)
+        if view is None:
+            e = self.entries[name]
+            raw = self.buffer[e.begin : e.end]
+            if e.begin % e.dtype.itemsize:  # misaligned for a view: copy this one
+                raw = raw.clone()
+            view = self._views[name] = raw.view(e.dtype).view(e.shape)
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def bytes(self, begin: int, end: int) -> np.ndarray:
+        """buffer[begin:end] as a NumPy array (no torch call)."""
+        if not hasattr(self, "_np"):
+            self._np = self.buffer.numpy()
+        return self._np[begin:end]
+
+
+def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) -> TensorFile:
     """`into`: a uint8 buffer to read into if the file fits (else one is allocated)."""
     size = os.path.getsize(path)
     if size < 8:
@@ -41,13 +86,13 @@ def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"header is not JSON: {e}") from None
     base, data_len = 8 + header_len, size - 8 - header_len
-    tensors = {}
+    entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
+            shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name!r} has a malformed header entry") from None
@@ -56,8 +101,5 @@ def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) 
             numel *= d
         if not 0 <= begin <= end <= data_len or end - begin != numel * dtype.itemsize:
             raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape or the file")
-        raw = buf[base + begin : base + end]
-        if (base + begin) % dtype.itemsize:  # misaligned for a view: copy this one
-            raw = raw.clone()
-        tensors[name] = raw.view(dtype).view(shape)
-    return tensors
+        entries[name] = Entry(dtype, shape, base + begin, base + end)
+    return TensorFile(buf, entries)

@@ -15,6 +15,7 @@ gate_proj/up_proj adapters stack their two ranks there.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from loraplex.adapters.peft import LoRAAdapter
+from loraplex.adapters.safetensors_io import TensorFile
 
 
 class AdaptedProjection(Protocol):
@@ -78,13 +80,16 @@ class LoRASlotBuffers:
         """Copy `adapter` into `slot` (asynchronously from pinned memory, on the current
         stream). Only what the previous occupant left beyond the new ranks is zeroed."""
         written = {}
-        dsts, srcs = [], []
-        for module, (a, b) in adapter.weights.items():
+        dsts, names, scales = [], [], []
+        for module, (a_name, b_name, scale) in adapter.modules.items():
             proj = self.projections[module]
-            r = a.shape[0]
+            r = adapter.shape(a_name)[0]
             dsts += self._slot_views(proj.layer, proj.slice, slot, r)
-            srcs += (a, b)
+            names += (a_name, b_name)
+            scales += (1.0, scale)
             written[(id(proj.layer), proj.slice)] = r
+        copy_from_file(dsts, adapter.tensors, names, scales)
+        dsts, srcs = [], []
         for path, x in self.experts.items():
             ex = adapter.experts.get(path)
             if ex is None:
@@ -101,12 +106,12 @@ class LoRASlotBuffers:
                 if a is not None:
                     r = ranks[i] = a.shape[1]
                     dsts += (sa[slot, :, :r], sb[slot, :, :, :r])
-                    srcs += (a, b)
+                    srcs += (a, b)  # expert B carries its scaling (re-laid out on load)
                     written[(path, i)] = r
             # the kernels read A and B up to these ranks (the slot's capacity is 2 x max rank
             # for gate_up: PEFT's fused layout uses half of it)
             x.lora_ranks[0, slot], x.lora_ranks[1, slot] = ranks  # fills on the device, no sync
-        copy_into(dsts, srcs)
+        copy_into(dsts, srcs, [1.0] * len(srcs))
         for (owner, i), old_r in self._written[slot].items():
             r = written.get((owner, i), 0)
             if old_r <= r:
@@ -146,7 +151,7 @@ class LoRASlotBuffers:
         for module, mag in adapter.magnitudes.items():
             proj = self.projections[module]
             layer, rows = proj.layer, proj.layer.slice_rows(proj.slice)
-            r = adapter.weights[module][0].shape[0]
+            r = adapter.shape(adapter.modules[module][0])[0]
             a = layer.lora_a[proj.slice, slot, :r].float()
             b = layer.lora_b[slot, rows, :r].float()
             w = layer.weight[rows]
@@ -181,32 +186,73 @@ class LoRASlotBuffers:
 BATCHED_COPIES = True
 
 
-def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dsts[i].copy_(srcs[i]) on the current stream, asynchronously from pinned memory.
+def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scales: list[float]) -> None:
+    """dsts[i].copy_(srcs[i] * scales[i]) on the current stream, asynchronously from
+    pinned memory.
 
     An adapter's tensors live in one pinned buffer (its file, read whole, or the buffer
     they were converted into), so on a GPU the span holding them goes over in one
     host-to-device copy, and one batched device copy (torch._foreach_copy_) places them
     in their slots: two calls instead of one per tensor (448 for Llama-8B on all seven
-    projections, each ~10-15 us of the engine thread's time and one small DMA)."""
+    projections, each ~10-15 us of the engine thread's time and one small DMA); the
+    scaling is one batched multiply per distinct value, of the contiguous staged copy."""
     if not dsts:
         return
-    dev = dsts[0].device
-    if not BATCHED_COPIES or dev.type != "cuda" or not _one_pinned_buffer(srcs):
-        for d, s in zip(dsts, srcs):
+    if not BATCHED_COPIES or dsts[0].device.type != "cuda" or not _one_pinned_buffer(srcs):
+        for d, s, scale in zip(dsts, srcs, scales):
             d.copy_(s, non_blocking=True)
+            if scale != 1.0:
+                d.mul_(scale)
         return
-    dtype = srcs[0].dtype
+    storage = srcs[0].untyped_storage()
+    base = storage.data_ptr()
+    buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    spans = [(s.data_ptr() - base, s.shape, s.stride()) for s in srcs]
+    _staged_copy(dsts, buffer, spans, srcs[0].dtype, scales)
+
+
+def copy_from_file(dsts: list[torch.Tensor], file: Mapping[str, torch.Tensor], names: list[str],
+                   scales: list[float]) -> None:
+    """copy_into from the tensors `names` of `file`: for a page-locked TensorFile the
+    byte offsets come from its header (no tensor view is made)."""
+    entries = [file.entries[n] for n in names] if isinstance(file, TensorFile) else None
+    if (not BATCHED_COPIES or not dsts or dsts[0].device.type != "cuda" or entries is None
+            or not file.buffer.is_pinned() or any(e.dtype != dsts[0].dtype or e.begin % e.dtype.itemsize
+                                                  for e in entries)):
+        copy_into(dsts, [file[n] for n in names], scales)
+        return
+    spans = [(e.begin, e.shape, None) for e in entries]
+    _staged_copy(dsts, file.buffer, spans, entries[0].dtype, scales)
+
+
+def _staged_copy(dsts: list[torch.Tensor], buffer: torch.Tensor, spans: list[tuple], dtype: torch.dtype,
+                 scales: list[float]) -> None:
+    """The bytes of `buffer` (pinned, uint8) that the spans cover go to the device in one
+    copy; spans[i] = (byte offset, shape, stride or None for contiguous) is placed in
+    dsts[i], times scales[i]."""
     item = dtype.itemsize
-    lo = min(s.data_ptr() for s in srcs)
-    hi = max(s.data_ptr() + s.nbytes for s in srcs)
-    host = torch.empty(0, dtype=dtype).set_(srcs[0].untyped_storage(),
-                                            (lo - srcs[0].untyped_storage().data_ptr()) // item,
-                                            ((hi - lo) // item,))
-    staging = torch.empty(host.shape, dtype=dtype, device=dev)  # freed after the copies, in order
+    lo = min(off for off, _, _ in spans)
+    hi = max(off + math.prod(shape) * item for off, shape, _ in spans)
+    host = buffer[lo:hi].view(dtype)
+    staging = torch.empty(host.shape, dtype=dtype, device=dsts[0].device)  # freed after the copies, in order
     staging.copy_(host, non_blocking=True)
-    views = [staging.as_strided(s.shape, s.stride(), (s.data_ptr() - lo) // item) for s in srcs]
+    views = [staging.as_strided(shape, stride or _contiguous(shape), (off - lo) // item)
+             for off, shape, stride in spans]
+    by_scale: dict[float, list[torch.Tensor]] = {}
+    for view, scale in zip(views, scales):
+        if scale != 1.0:
+            by_scale.setdefault(scale, []).append(view)
+    for scale, group in by_scale.items():
+        torch._foreach_mul_(group, scale)
     torch._foreach_copy_(dsts, views)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
 
 
 def _one_pinned_buffer(srcs: list[torch.Tensor]) -> bool:
