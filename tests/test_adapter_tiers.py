@@ -283,3 +283,27 @@ def test_converted_adapter_outlives_its_file_buffer(model_dirs, tmp_path):
     for m, v in adapter.magnitudes.items():
         assert torch.equal(v, before[m]), m
     assert all(torch.isfinite(t.float()).all() for a, b in adapter.weights.values() for t in (a, b))
+
+
+def test_file_read_lazily_has_the_content_id_of_its_tensors(tmp_path):
+    """A weights file read whole makes no tensor views until asked (TensorFile); its
+    content id and finiteness check, computed from header offsets and raw bytes, agree
+    with the same tensors held in memory, and views read the file's values."""
+    from safetensors.torch import save_file
+
+    from loraplex.adapters.manifest import content_id
+    from loraplex.adapters.peft import _all_finite, _all_finite_named
+    from loraplex.adapters.safetensors_io import TensorFile, read_safetensors
+
+    tensors = {"b": torch.randn(3, 4).bfloat16(), "a": torch.randn(5), "c": torch.randn(2, 2).half()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    file = read_safetensors(str(tmp_path / "w.safetensors"), pinned=False)
+    assert isinstance(file, TensorFile) and not file._views
+    assert content_id({"r": 4}, file) == content_id({"r": 4}, {k: v.clone() for k, v in tensors.items()})
+    assert not file._views, "the content id made no views"
+    assert _all_finite_named(file, list(file)) and _all_finite(list(tensors.values()))
+    assert all(torch.equal(file[k], v) for k, v in tensors.items())
+    tensors["c"][1, 1] = float("inf")
+    save_file(tensors, tmp_path / "bad.safetensors")
+    bad = read_safetensors(str(tmp_path / "bad.safetensors"), pinned=False)
+    assert not _all_finite_named(bad, ["c"]) and _all_finite_named(bad, ["a", "b"])

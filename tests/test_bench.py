@@ -131,7 +131,19 @@ def test_step_profile_splits_time_by_kind_of_step():
     assert p["slow"]["steps"] == 1 and p["slow"]["mean_slot_loads"] == 1 and p["slow"]["launch_ms"] == 100.0
     assert p["with_slot_loads"]["slot_copy_ms"] == 26.0
     assert abs(p["total_s"] - (0.12 + 0.06 + 0.207)) < 1e-6
+    assert "device_ms" not in p["decode_only"]
     assert step_profile([]) == {}
+
+    class Event:  # a CUDA timing event's elapsed_time, in milliseconds
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    timed = step_profile([(0.006, 32, 0, 0.001, 0.0, (Event(1.0), Event(6.5)))] * 3
+                         + [(0.006, 32, 0, 0.001, 0.0)])
+    assert timed["decode_only"]["device_ms"] == 5.5 and timed["decode_only"]["steps"] == 4
 
 
 def test_compiled_kernels_reports_variants_compiled_meanwhile():

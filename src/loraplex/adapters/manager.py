@@ -45,6 +45,10 @@ from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
 from loraplex.types import LoRARequest
 
 
+# Adapter files read (and checked) at once; see AdapterManager.__init__.
+PARALLEL_READS = int(os.environ.get("LORAPLEX_PARALLEL_READS", 2))
+
+
 @dataclass(eq=False)
 class AdapterTicket:
     """One request's claim on an adapter, from submit() until release()."""
@@ -82,6 +86,7 @@ class AdapterManager:
         disk_cache: DiskCache | None = None,
         workers: int = 4,
         timeout: float = 120.0,
+        parallel_reads: int = PARALLEL_READS,
     ):
         if not isinstance(targets, AdapterTargets):
             targets = AdapterTargets(targets)
@@ -97,6 +102,12 @@ class AdapterManager:
         self.disk_cache = disk_cache
         self.timeout = timeout
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="loraplex-adapter")
+        # Reading a file into memory and checking its bytes run at memory bandwidth: eight
+        # such threads at once made the engine thread's steps ~7x slower (each of its
+        # cache misses waits behind them; benchmarks/loader_interference.py), while one or
+        # two read more adapters per second than a GPU's slots take. Downloads are not
+        # bounded by this.
+        self._reading = threading.Semaphore(parallel_reads)
         self._loads: dict[str, _Load] = {}  # source key -> the load in progress
         self._content_of: dict[str, str] = {}  # source key -> content id, once read
         self._resolved: list[AdapterTicket] = []  # since the last take_resolved()
@@ -271,12 +282,14 @@ class AdapterManager:
         try:
             if staged is not None:
                 download(source, staged, self.timeout)
-            config, tensors = read_adapter_dir(source.name, local, torch.cuda.is_available(), slab)
-            cid = cid if verified else content_id(config, tensors)
-            if source.content_id is not None and cid != source.content_id:
-                raise AdapterInvalid(source.name, f"content is {cid}, the registry says {source.content_id}")
-            adapter = to_canonical(cid, source.name, source.uri, config, tensors,
-                                   self.targets, self.max_rank, self.dtype)
+            with self._reading:
+                config, tensors = read_adapter_dir(source.name, local, torch.cuda.is_available(), slab)
+                cid = cid if verified else content_id(config, tensors)
+                if source.content_id is not None and cid != source.content_id:
+                    raise AdapterInvalid(source.name,
+                                         f"content is {cid}, the registry says {source.content_id}")
+                adapter = to_canonical(cid, source.name, source.uri, config, tensors,
+                                       self.targets, self.max_rank, self.dtype)
             if slab is not None and _lives_in(adapter, slab):
                 adapter.pinned_buffer, slab = slab, None
             elif slab is not None:  # the file did not fit, or was cast to another dtype
@@ -307,4 +320,5 @@ def _lives_in(adapter: LoRAAdapter, buf: torch.Tensor) -> bool:
     """Its dense tensors are those of the file read into `buf` (an experts-only adapter
     keeps none of them: its expert tensors are re-laid out into a buffer of their own)."""
     t = adapter.tensors
-    return isinstance(t, TensorFile) and t.buffer.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    return isinstance(t, TensorFile) and (
+        t.buffer.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr())

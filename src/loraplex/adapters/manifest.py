@@ -74,6 +74,12 @@ def manifest(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> dict:
     }
 
 
+def _span(start: int, end: int) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_ubyte * (end - start)).from_address(start)).cast("B")
+
+
 def _meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple]]:
     if isinstance(tensors, TensorFile):
         return {name: (e.dtype, e.shape) for name, e in tensors.entries.items()}

@@ -1,35 +1,41 @@
 """Page-locked host buffers for adapters, allocated once and reused ("host slots").
 
 Page-locking memory (cudaHostAlloc) is slow and takes a driver lock that stalls the
-engine's kernel launches, so the host tier does not allocate per load: it owns one
-buffer per host-memory adapter (plus one per loader thread), each big enough for the
-largest adapter the model allows (every projection at max_lora_rank), all allocated at
-startup. A buffer comes back when its adapter leaves host memory, and is handed out
-again only after the last GPU copy from it has finished (an event recorded by the
-runner). An adapter that finds the pool empty (more referenced adapters than host
-slots, or more host slots than MAX_BYTES holds) or too small (a float32 file) allocates
-its own.
+engine's kernel launches (a 128 MiB allocation on a loader thread was seen holding it
+for ~240 ms under load), so the host tier does not allocate per load: it owns one
+buffer per host-memory adapter plus one per loader thread, each big enough for the
+largest adapter the model allows (every projection at max_lora_rank), carved out of one
+region page-locked at startup (cudaHostRegister: PyTorch's pinned allocator would round
+each buffer, or the region, up to a power of two). A buffer comes back when its adapter
+leaves host memory, and is handed out again only after the last GPU copy from it has
+finished (an event recorded by the runner). An adapter that finds the pool empty (more
+referenced adapters than host slots, or more host slots than MAX_BYTES holds) or too
+small (a float32 file) allocates its own.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
-# Page-locked memory reserved at startup unless the host tier has a byte budget. Buffers
-# are sized for max_lora_rank and torch rounds page-locked allocations up to a power of
-# two, so a large max_lora_rank x max_cpu_loras would otherwise lock tens of GiB up front.
+logger = logging.getLogger("loraplex")
+
+# Page-locked memory reserved at startup unless the host tier has a byte budget.
 DEFAULT_MAX_BYTES = 4 << 30
+_ALIGN = 4096
 
 
 class PinnedPool:
     def __init__(self, count: int, nbytes: int, max_bytes: int | None = None, pinned: bool = True):
         self.nbytes = nbytes
-        budget = max_bytes or DEFAULT_MAX_BYTES
-        count = max(1, min(count, budget // (1 << (nbytes - 1).bit_length())))
+        stride = -(-nbytes // _ALIGN) * _ALIGN
+        count = max(1, min(count, (max_bytes or DEFAULT_MAX_BYTES) // stride))
+        self._locked = _PageLocked(count * stride) if pinned else None
+        self.region = self._locked.tensor if pinned else torch.empty(count * stride, dtype=torch.uint8)
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
-            (torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned), None) for _ in range(count)]
+            (self.region[i * stride : i * stride + nbytes], None) for i in range(count)]
         self._lock = threading.Lock()
         self.misses = 0  # takes that found no buffer (the load then page-locks its own)
 
@@ -50,3 +56,20 @@ class PinnedPool:
     def give(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
         with self._lock:
             self._free.append((buf, event))
+
+
+class _PageLocked:
+    """nbytes of page-locked memory, locked as they are (no rounding up); unlocked when
+    the pool goes (a buffer still in use after that is copied from as pageable memory)."""
+
+    def __init__(self, nbytes: int):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.registered = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
+        if not self.registered:  # e.g. a locked-memory limit: PyTorch's allocator, rounded up
+            logger.warning("cudaHostRegister of %.1f GiB failed; using PyTorch's pinned allocator",
+                           nbytes / 2**30)
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def __del__(self):
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())

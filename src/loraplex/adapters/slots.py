@@ -55,6 +55,7 @@ class LoRASlotBuffers:
         # columns last written there.
         self._written: list[dict[tuple, int]] = [{} for _ in range(max_loras)]
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.staging = Staging()
         for layer in self.layers:
             n_slices = len(layer.output_sizes)
             layer.lora_a = torch.zeros(
@@ -88,7 +89,7 @@ class LoRASlotBuffers:
             names += (a_name, b_name)
             scales += (1.0, scale)
             written[(id(proj.layer), proj.slice)] = r
-        copy_from_file(dsts, adapter.tensors, names, scales)
+        self.staging.copy_from_file(dsts, adapter.tensors, names, scales)
         dsts, srcs = [], []
         for path, x in self.experts.items():
             ex = adapter.experts.get(path)
@@ -111,7 +112,7 @@ class LoRASlotBuffers:
             # the kernels read A and B up to these ranks (the slot's capacity is 2 x max rank
             # for gate_up: PEFT's fused layout uses half of it)
             x.lora_ranks[0, slot], x.lora_ranks[1, slot] = ranks  # fills on the device, no sync
-        copy_into(dsts, srcs, [1.0] * len(srcs))
+        self.staging.copy(dsts, srcs, [1.0] * len(srcs))
         for (owner, i), old_r in self._written[slot].items():
             r = written.get((owner, i), 0)
             if old_r <= r:
@@ -186,65 +187,77 @@ class LoRASlotBuffers:
 BATCHED_COPIES = True
 
 
-def copy_into(dsts: list[torch.Tensor], srcs: list[torch.Tensor], scales: list[float]) -> None:
-    """dsts[i].copy_(srcs[i] * scales[i]) on the current stream, asynchronously from
-    pinned memory.
+class Staging:
+    """Copies adapters into slots from pinned memory, asynchronously on the current stream.
 
     An adapter's tensors live in one pinned buffer (its file, read whole, or the buffer
     they were converted into), so on a GPU the span holding them goes over in one
-    host-to-device copy, and one batched device copy (torch._foreach_copy_) places them
-    in their slots: two calls instead of one per tensor (448 for Llama-8B on all seven
-    projections, each ~10-15 us of the engine thread's time and one small DMA); the
-    scaling is one batched multiply per distinct value, of the contiguous staged copy."""
-    if not dsts:
-        return
-    if not BATCHED_COPIES or dsts[0].device.type != "cuda" or not _one_pinned_buffer(srcs):
-        for d, s, scale in zip(dsts, srcs, scales):
-            d.copy_(s, non_blocking=True)
+    host-to-device copy into a device buffer kept for this, and one batched device copy
+    (torch._foreach_copy_) places them in their slots, after one batched multiply per
+    distinct scaling: three calls instead of one per tensor (448 for Llama-8B on all
+    seven projections, each ~10-15 us of the engine thread's time and one small DMA).
+    The views of the device buffer are kept per file layout (adapters trained with one
+    config share it), so a load makes no tensor views either."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self._views: dict[tuple, list[torch.Tensor]] = {}
+
+    def copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], scales: list[float]) -> None:
+        """dsts[i].copy_(srcs[i] * scales[i])."""
+        if not dsts:
+            return
+        if not BATCHED_COPIES or dsts[0].device.type != "cuda" or not _one_pinned_buffer(srcs):
+            for d, s, scale in zip(dsts, srcs, scales):
+                d.copy_(s, non_blocking=True)
+                if scale != 1.0:
+                    d.mul_(scale)
+            return
+        storage = srcs[0].untyped_storage()
+        base = storage.data_ptr()
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        spans = [(s.data_ptr() - base, tuple(s.shape), tuple(s.stride())) for s in srcs]
+        self._staged(dsts, buffer, spans, srcs[0].dtype, scales)
+
+    def copy_from_file(self, dsts: list[torch.Tensor], file: Mapping[str, torch.Tensor], names: list[str],
+                       scales: list[float]) -> None:
+        """copy() from the tensors `names` of `file`: for a page-locked TensorFile the
+        byte offsets come from its header (no tensor view is made)."""
+        entries = [file.entries[n] for n in names] if isinstance(file, TensorFile) else None
+        if (not BATCHED_COPIES or not dsts or dsts[0].device.type != "cuda" or entries is None
+                or not file.buffer.is_pinned()
+                or any(e.dtype != dsts[0].dtype or e.begin % e.dtype.itemsize for e in entries)):
+            self.copy(dsts, [file[n] for n in names], scales)
+            return
+        spans = [(e.begin, e.shape, None) for e in entries]
+        self._staged(dsts, file.buffer, spans, entries[0].dtype, scales)
+
+    def _staged(self, dsts: list[torch.Tensor], buffer: torch.Tensor, spans: list[tuple],
+                dtype: torch.dtype, scales: list[float]) -> None:
+        """spans[i] = (byte offset in `buffer`, shape, stride or None if contiguous)."""
+        item = dtype.itemsize
+        lo = min(off for off, _, _ in spans)
+        hi = max(off + math.prod(shape) * item for off, shape, _ in spans)
+        dev = dsts[0].device
+        if self.buffer is None or self.buffer.numel() < hi - lo or self.buffer.device != dev:
+            # Steps after this one read it in stream order: a new buffer only when it grows.
+            self.buffer = torch.empty(hi - lo, dtype=torch.uint8, device=dev)
+            self._views = {}
+        self.buffer[: hi - lo].copy_(buffer[lo:hi], non_blocking=True)
+        key = (dtype, tuple((off - lo, shape, stride) for off, shape, stride in spans))
+        views = self._views.get(key)
+        if views is None:
+            typed = self.buffer.view(dtype)
+            views = self._views[key] = [
+                typed.as_strided(shape, stride or _contiguous(shape), (off - lo) // item)
+                for off, shape, stride in spans]
+        by_scale: dict[float, list[torch.Tensor]] = {}
+        for view, scale in zip(views, scales):
             if scale != 1.0:
-                d.mul_(scale)
-        return
-    storage = srcs[0].untyped_storage()
-    base = storage.data_ptr()
-    buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    spans = [(s.data_ptr() - base, s.shape, s.stride()) for s in srcs]
-    _staged_copy(dsts, buffer, spans, srcs[0].dtype, scales)
-
-
-def copy_from_file(dsts: list[torch.Tensor], file: Mapping[str, torch.Tensor], names: list[str],
-                   scales: list[float]) -> None:
-    """copy_into from the tensors `names` of `file`: for a page-locked TensorFile the
-    byte offsets come from its header (no tensor view is made)."""
-    entries = [file.entries[n] for n in names] if isinstance(file, TensorFile) else None
-    if (not BATCHED_COPIES or not dsts or dsts[0].device.type != "cuda" or entries is None
-            or not file.buffer.is_pinned() or any(e.dtype != dsts[0].dtype or e.begin % e.dtype.itemsize
-                                                  for e in entries)):
-        copy_into(dsts, [file[n] for n in names], scales)
-        return
-    spans = [(e.begin, e.shape, None) for e in entries]
-    _staged_copy(dsts, file.buffer, spans, entries[0].dtype, scales)
-
-
-def _staged_copy(dsts: list[torch.Tensor], buffer: torch.Tensor, spans: list[tuple], dtype: torch.dtype,
-                 scales: list[float]) -> None:
-    """The bytes of `buffer` (pinned, uint8) that the spans cover go to the device in one
-    copy; spans[i] = (byte offset, shape, stride or None for contiguous) is placed in
-    dsts[i], times scales[i]."""
-    item = dtype.itemsize
-    lo = min(off for off, _, _ in spans)
-    hi = max(off + math.prod(shape) * item for off, shape, _ in spans)
-    host = buffer[lo:hi].view(dtype)
-    staging = torch.empty(host.shape, dtype=dtype, device=dsts[0].device)  # freed after the copies, in order
-    staging.copy_(host, non_blocking=True)
-    views = [staging.as_strided(shape, stride or _contiguous(shape), (off - lo) // item)
-             for off, shape, stride in spans]
-    by_scale: dict[float, list[torch.Tensor]] = {}
-    for view, scale in zip(views, scales):
-        if scale != 1.0:
-            by_scale.setdefault(scale, []).append(view)
-    for scale, group in by_scale.items():
-        torch._foreach_mul_(group, scale)
-    torch._foreach_copy_(dsts, views)
+                by_scale.setdefault(scale, []).append(view)
+        for scale, group in by_scale.items():
+            torch._foreach_mul_(group, scale)
+        torch._foreach_copy_(dsts, views)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -189,6 +189,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         pinned_before = _pinned_allocs()
         with compiled_kernels() as compiled, sampler:
             records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
+            engine.runner.synchronize()  # every logged step's device events have fired
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
                  "steps": step_profile(engine.step_log), "compiled_while_timed": compiled}
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
@@ -246,12 +247,15 @@ def _pinned_allocs() -> dict[str, float] | None:
             "frees": s.get("num_host_free", 0), "free_ms": s.get("host_free_time.total", 0) / 1e3}
 
 
-def step_profile(log: list[tuple[float, int, int, float, float]]) -> dict:
+def step_profile(log: list[tuple]) -> dict:
     """Where the run's time went, by kind of engine step: decode only, with prefill
     tokens, with adapter slot loads; and the slow steps (over 3x the median). launch_ms:
-    the host's time inside runner.launch (planning inputs, slot copies, kernel launches;
-    slot_copy_ms of it copying adapters into slots); the rest of a step is mostly waiting
-    for the device."""
+    the host's time inside runner.launch (planning inputs, slot copies, kernel launches,
+    and waiting when the device's launch queue is full; slot_copy_ms of it copying
+    adapters into slots); device_ms: from the step's first queued device work starting
+    to its last finishing (with one step in flight it starts when the previous one
+    ends), so a step the host holds up has launch_ms near its total and device_ms well
+    under it."""
     if not log:
         return {}
     ms = sorted(r[0] * 1e3 for r in log)
@@ -259,10 +263,14 @@ def step_profile(log: list[tuple[float, int, int, float, float]]) -> dict:
 
     def kind(rows):
         n = max(1, len(rows))
-        return {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
-                "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
-                "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2),
-                "slot_copy_ms": round(1e3 * sum(r[4] for r in rows) / n, 2)}
+        out = {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
+               "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
+               "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2),
+               "slot_copy_ms": round(1e3 * sum(r[4] for r in rows) / n, 2)}
+        timed = [r[5] for r in rows if len(r) > 5 and r[5] is not None]
+        if timed:
+            out["device_ms"] = round(sum(start.elapsed_time(end) for start, end in timed) / len(timed), 2)
+        return out
 
     slow = [r for r in log if r[0] * 1e3 > 3 * median]
     return {

@@ -74,8 +74,8 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
         # (seconds, tokens, adapter slot loads, seconds in runner.launch, of which slot
-        # copies) per step while a list (the bench sets one)
-        self.step_log: list[tuple[float, int, int, float, float]] | None = None
+        # copies, the step's device events or None) per step while a list (the bench sets one)
+        self.step_log: list[tuple] | None = None
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
@@ -234,6 +234,7 @@ class LLMEngine:
         outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
         t_launch = time.perf_counter()
+        self.runner.time_steps = self.step_log is not None
         launched = self.runner.launch(plan)
         t_launch = time.perf_counter() - t_launch
         self.num_steps += bool(plan.chunks)
@@ -247,7 +248,7 @@ class LLMEngine:
             outputs += self._finish_step(launched)
         if self.step_log is not None and plan.chunks:
             self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch,
-                                  self.runner.slot_load_s))
+                                  self.runner.slot_load_s, launched.device_events))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:

@@ -81,6 +81,7 @@ class ModelRunner:
         # Adapter copies into GPU slots, and per slot the last step that read it.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.slot_load_s = 0.0  # host time of the last launch's slot copies (bench step profile)
+        self.time_steps = False  # record device timing events around each step (bench step profile)
         if self.device.type == "cuda":
             # cuBLASLt picks better kernels for decode's skinny GEMMs (M = batch): on an
             # H200, o_proj 13.8 -> 11.5 us and down_proj 33.5 -> 31.1 us at M = 32
@@ -216,6 +217,11 @@ class ModelRunner:
         with ops.using_backend(self.config.ops_backend):
             return self._launch(plan)
 
+    def synchronize(self) -> None:
+        """Wait for all device work queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def collect(self, launched: LaunchedStep) -> StepResult:
         return launched.result()
 
@@ -223,6 +229,10 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
         self.slot_load_s = 0.0
+        start = None
+        if self.time_steps and self.device.type == "cuda" and plan.chunks:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         if plan.lora_loads:
             t0 = time.perf_counter()
             self._load_slots(plan.lora_loads)
@@ -252,6 +262,10 @@ class ModelRunner:
             self._sample(plan, inputs.sample_chunks, logits, out)
         self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         out.start_copies()
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            out.device_events = (start, end)
         if self.copy_stream is not None and inputs.lora is not None:
             done = torch.cuda.Event()
             done.record()

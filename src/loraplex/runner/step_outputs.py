@@ -29,6 +29,8 @@ class LaunchedStep:
     prompt_lps: TokenLogprobs | None = None
     _host: dict = field(default_factory=dict)
     _event: torch.cuda.Event | None = None
+    # Timing events around the step's device work (when the runner times steps).
+    device_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def start_copies(self) -> None:
         """Queue device-to-host copies of everything the host will read."""
