@@ -258,7 +258,7 @@ def test_pinned_pool_is_bounded_and_reused():
 
     pool = PinnedPool(count=10, nbytes=3000, max_bytes=4096 * 3, pinned=False)  # 3 of 4 KiB
     bufs = [pool.take(2500) for _ in range(3)]
-    assert all(b is not None and b.numel() == 3000 for b in bufs)
+    assert all(b is not None and b.numel() == 4096 and b.data_ptr() % 4096 == 0 for b in bufs), "whole pages"
     assert pool.take(100) is None, "spent: the caller allocates its own"
     pool.give(bufs[0], None)
     assert pool.take(5000) is None, "too big for a pool buffer"
@@ -307,3 +307,19 @@ def test_file_read_lazily_has_the_content_id_of_its_tensors(tmp_path):
     save_file(tensors, tmp_path / "bad.safetensors")
     bad = read_safetensors(str(tmp_path / "bad.safetensors"), pinned=False)
     assert not _all_finite_named(bad, ["c"]) and _all_finite_named(bad, ["a", "b"])
+
+
+def test_direct_reads_give_the_file(tmp_path, monkeypatch):
+    """With LORAPLEX_DIRECT_READS a file is read with O_DIRECT into a page-aligned pool
+    buffer (or, where the file system refuses, as before): the same tensors either way."""
+    from safetensors.torch import save_file
+
+    from loraplex.adapters import safetensors_io
+    from loraplex.adapters.pinned_pool import PinnedPool
+
+    tensors = {"a": torch.randn(1000, 37), "b": torch.randn(3).bfloat16()}
+    save_file(tensors, tmp_path / "w.safetensors")
+    monkeypatch.setattr(safetensors_io, "DIRECT_READS", True)
+    pool = PinnedPool(count=2, nbytes=200_000, pinned=False)
+    file = safetensors_io.read_safetensors(str(tmp_path / "w.safetensors"), False, pool.take(150_000))
+    assert all(torch.equal(file[k], v) for k, v in tensors.items())

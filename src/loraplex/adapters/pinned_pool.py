@@ -33,9 +33,10 @@ class PinnedPool:
         stride = -(-nbytes // _ALIGN) * _ALIGN
         count = max(1, min(count, (max_bytes or DEFAULT_MAX_BYTES) // stride))
         self._locked = _PageLocked(count * stride) if pinned else None
-        self.region = self._locked.tensor if pinned else torch.empty(count * stride, dtype=torch.uint8)
+        self.region = self._locked.tensor if pinned else _aligned(count * stride)
+        # Whole pages each (page-aligned: O_DIRECT reads can land in them).
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
-            (self.region[i * stride : i * stride + nbytes], None) for i in range(count)]
+            (self.region[i * stride : (i + 1) * stride], None) for i in range(count)]
         self._lock = threading.Lock()
         self.misses = 0  # takes that found no buffer (the load then page-locks its own)
 
@@ -58,12 +59,17 @@ class PinnedPool:
             self._free.append((buf, event))
 
 
+def _aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    return raw[-raw.data_ptr() % _ALIGN :][:nbytes]
+
+
 class _PageLocked:
     """nbytes of page-locked memory, locked as they are (no rounding up); unlocked when
     the pool goes (a buffer still in use after that is copied from as pageable memory)."""
 
     def __init__(self, nbytes: int):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.tensor = _aligned(nbytes)
         self.registered = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
         if not self.registered:  # e.g. a locked-memory limit: PyTorch's allocator, rounded up
             logger.warning("cudaHostRegister of %.1f GiB failed; using PyTorch's pinned allocator",

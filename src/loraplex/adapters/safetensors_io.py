@@ -61,6 +61,39 @@ class TensorFile(Mapping[str, torch.Tensor]):
         return self._np[begin:end]
 
 
+# Read adapter files with O_DIRECT into page-aligned buffers: the disk DMAs into the
+# page-locked buffer, and no CPU copies the bytes out of the page cache (an experiment:
+# copies by loader threads slow the engine thread, see benchmarks/NOTES.md).
+DIRECT_READS = os.environ.get("LORAPLEX_DIRECT_READS", "0") == "1"
+_PAGE = 4096
+_DIRECT_CHUNK = 16 << 20
+
+
+def _read_direct(path: str, into: torch.Tensor, size: int) -> bool:
+    """Read the file into `into` with O_DIRECT; False (nothing done) where that is not
+    possible (unaligned buffer, too small for whole pages, no O_DIRECT here)."""
+    padded = -(-size // _PAGE) * _PAGE
+    if not hasattr(os, "O_DIRECT") or into.data_ptr() % _PAGE or into.numel() < padded:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        view = memoryview(into.numpy())
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done : min(done + _DIRECT_CHUNK, padded)]], done)
+            if n <= 0:
+                raise ValueError(f"file shrank while reading ({done} of {size} bytes)")
+            done += n
+        return True
+    except OSError:  # e.g. EINVAL: the file system refuses O_DIRECT after all
+        return False
+    finally:
+        os.close(fd)
+
+
 def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) -> TensorFile:
     """`into`: a uint8 buffer to read into if the file fits (else one is allocated)."""
     size = os.path.getsize(path)
@@ -71,13 +104,14 @@ def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) 
     else:
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
     view = memoryview(buf.numpy())
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise ValueError(f"file shrank while reading ({done} of {size} bytes)")
-            done += n
+    if not (DIRECT_READS and into is not None and _read_direct(path, into, size)):
+        with open(path, "rb", buffering=0) as f:
+            done = 0
+            while done < size:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"file shrank while reading ({done} of {size} bytes)")
+                done += n
     header_len = int.from_bytes(view[:8], "little")
     if not 0 < header_len <= size - 8:
         raise ValueError(f"header length {header_len} does not fit a {size}-byte file")

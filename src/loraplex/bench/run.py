@@ -198,8 +198,9 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
             extra["launch_stacks"] = sampler.report()
         engine.step_log = None
         if compiled:
+            short = [c[:120] + " ..." + c[c.rfind(" called from "):] for c in compiled]
             logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
-                           "missed them; each stalls the engine): %s", len(compiled), compiled)
+                           "missed them; each stalls the engine; in full in the JSON): %s", len(compiled), short)
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
@@ -224,7 +225,7 @@ def compiled_kernels():
         # The variant (its constexprs close the repr) and the loraplex calls that asked for it.
         calls = [f"{f.filename[len(package):]}:{f.lineno} {f.name}"
                  for f in traceback.extract_stack() if f.filename.startswith(package)][-6:-1]
-        compiled.append(f"{str(kw.get('repr', '?'))[:1500]} called from {' < '.join(reversed(calls))}")
+        compiled.append(f"{kw.get('repr', '?')} called from {' < '.join(reversed(calls))}")
         if previous:
             previous(*_, **kw)
 
@@ -307,6 +308,8 @@ def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
     loras = [adapters[i % len(adapters)] if adapters and i % 2 else None for i in range(n)]
     sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts, sp, loras, use_tqdm=False)
-    if adapters:
+    if adapters:  # all adapters, then none: a step without adapter tokens runs other kernel
+        # variants (no adapter delta in the MoE GEMMs), and the base run's steps are all such
         llm.generate(prompts[: len(adapters)], sp, adapters, use_tqdm=False)
+        llm.generate(prompts, sp, None, use_tqdm=False)
     logger.info("warm-up done in %.1f s", time.perf_counter() - t0)
