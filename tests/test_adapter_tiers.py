@@ -263,6 +263,9 @@ def test_pinned_pool_is_bounded_and_reused():
     pool.give(bufs[0], None)
     assert pool.take(5000) is None, "too big for a pool buffer"
     assert pool.take(3000).data_ptr() == bufs[0].data_ptr(), "buffers are reused"
+    if torch.cuda.is_available():  # page-locked: host-to-device copies from them are asynchronous
+        locked = PinnedPool(count=2, nbytes=3000)
+        assert all(b.is_pinned() for b in (locked.take(3000), locked.take(3000)))
 
 
 def test_converted_adapter_outlives_its_file_buffer(model_dirs, tmp_path):

@@ -70,7 +70,11 @@ class _PageLocked:
 
     def __init__(self, nbytes: int):
         self.tensor = _aligned(nbytes)
-        self.registered = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)) == 0
+        # The whole allocation, from its start: torch asks whether a view is page-locked
+        # by its storage's first byte, which lies before the aligned start.
+        storage = self.tensor.untyped_storage()
+        self._base = storage.data_ptr()
+        self.registered = int(torch.cuda.cudart().cudaHostRegister(self._base, storage.nbytes(), 0)) == 0
         if not self.registered:  # e.g. a locked-memory limit: PyTorch's allocator, rounded up
             logger.warning("cudaHostRegister of %.1f GiB failed; using PyTorch's pinned allocator",
                            nbytes / 2**30)
@@ -78,4 +82,4 @@ class _PageLocked:
 
     def __del__(self):
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._base)
