@@ -339,3 +339,23 @@ def test_write_kv_cache_skips_padding(backend):
 def test_unknown_backend_lists_known():
     with pytest.raises(ValueError, match="known: torch"):
         ops.use_backend("cuda-magic")
+
+
+def test_warm_up_lora_runs_the_small_batch_kernels_and_changes_nothing(monkeypatch):
+    """ops.warm_up_lora launches the LoRA kernels for each small token count (no token
+    on an adapter), so serving compiles nothing new; the slot tensors stay as they were."""
+    import loraplex.ops.triton as backend
+
+    counts = []
+    shrink = backend.lora_shrink_gemv
+    monkeypatch.setattr(backend, "lora_shrink_gemv", lambda x, *a: counts.append(x.shape[0]) or shrink(x, *a))
+    torch.manual_seed(0)
+    lora_a = torch.randn(2, 3, 8, 48, device=DEVICE)
+    lora_b = torch.randn(3, 40, 8, device=DEVICE)
+    a, b = lora_a.clone(), lora_b.clone()
+    with ops.using_backend("triton"):
+        ops.warm_up_lora(lora_a, lora_b, (24, 16), max_tokens=3)
+    with ops.using_backend("torch"):
+        ops.warm_up_lora(lora_a, lora_b, (24, 16), max_tokens=3)  # nothing to compile
+    assert torch.equal(lora_a, a) and torch.equal(lora_b, b)
+    assert counts == [1, 2, 3]

@@ -126,5 +126,8 @@ def download(source: AdapterSource, into: Path, timeout: float) -> None:
                 raise TimeoutError(f"download took over {timeout:g} s")
     except AdapterNotFound:
         raise
+    except TimeoutError as e:  # (also asyncio's and fsspec's) the same words as the manager's deadline
+        raise AdapterUnavailable(source.name, f"not loaded within {timeout:g} s from {source.uri} "
+                                              f"({type(e).__name__})") from None
     except Exception as e:  # fsspec backends raise their own types (aiohttp, botocore, ...)
         raise AdapterUnavailable(source.name, f"cannot read {source.uri}: {type(e).__name__} {e}") from None

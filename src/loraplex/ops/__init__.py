@@ -70,6 +70,16 @@ def lora_expand(
     _impl.lora_expand(buf, lora_b, y, slice_sizes, batch)
 
 
+def warm_up_lora(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_sizes: tuple[int, ...],
+                 max_tokens: int) -> None:
+    """Compile now whatever lora_shrink / lora_expand will run for steps of up to
+    max_tokens tokens, for these slot tensors (a backend that compiles per token count
+    would otherwise stall serving when a new count arrives). No effect on any tensor."""
+    warm = getattr(_impl, "warm_up_lora", None)
+    if warm is not None:
+        warm(lora_a, lora_b, slice_sizes, max_tokens)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,

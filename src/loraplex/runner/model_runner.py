@@ -99,6 +99,20 @@ class ModelRunner:
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
+                self._warm_up_lora_kernels()
+
+    @torch.inference_mode()
+    def _warm_up_lora_kernels(self) -> None:
+        """The LoRA kernel variants of eager steps (graphs compiled those of decode)."""
+        if self.lora_slots is None:
+            return
+        seen = set()
+        for layer in self.lora_slots.layers:
+            key = (tuple(layer.lora_a.shape), tuple(layer.lora_b.shape), tuple(layer.output_sizes))
+            if key not in seen:
+                seen.add(key)
+                ops.warm_up_lora(layer.lora_a, layer.lora_b, tuple(layer.output_sizes),
+                                 self.config.scheduler.max_num_batched_tokens)
 
     def reset_moe_routing_stats(self) -> None:
         if self.moe_stats is not None:

@@ -4,6 +4,9 @@ Same names and signatures as `loraplex.ops.reference`, which is every kernel's o
 Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
+import torch
+
+from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts
 from loraplex.ops.triton.kv_cache import write_kv_cache
@@ -33,6 +36,19 @@ def lora_expand(buf, lora_b, y, slice_sizes, batch):
     return lora_expand_sgmv(buf, lora_b, y, slice_sizes, batch)
 
 
+def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
+    """The GEMV kernels' split-K (and a stride or two) follow the token count, so each
+    count up to GEMV_MAX_TOKENS may be its own compiled variant: run them all once, with
+    no token on an adapter (decode graphs cover their batch sizes; an eager step of 33-64
+    tokens otherwise compiled one mid-serving, ~1 s for every request in flight)."""
+    max_loras, dev = lora_a.shape[1], lora_a.device
+    for n in range(1, min(max_tokens, GEMV_MAX_TOKENS) + 1):
+        batch = make_lora_batch([-1] * n, [0] * max_loras, max_loras, dev)
+        x = torch.zeros(n, lora_a.shape[3], dtype=lora_a.dtype, device=dev)
+        y = torch.zeros(n, sum(slice_sizes), dtype=lora_a.dtype, device=dev)
+        lora_expand(lora_shrink(x, lora_a, batch), lora_b, y, slice_sizes, batch)
+
+
 __all__ = [
     "fused_experts",
     "route_experts",
@@ -44,5 +60,6 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "warm_up_lora",
     "write_kv_cache",
 ]
