@@ -57,7 +57,8 @@ def main():
         weights[m] = (buf[off:off + a_n].view(RANK, -1), buf[off + a_n:off + a_n + b_n].view(-1, RANK))
         off += a_n + b_n
     tensors = {f"{m}.{ab}": t for m, pair in weights.items() for ab, t in zip("AB", pair)}
-    adapter = LoRAAdapter("k", "a", "", RANK, tensors, {m: (f"{m}.A", f"{m}.B", 2.0) for m in weights})  # alpha 2r
+    modules = {m: (f"{m}.A", f"{m}.B", 2.0) for m in weights}  # scaling 2: alpha = 2r
+    adapter = LoRAAdapter("k", "a", "", RANK, tensors, modules)
     stream = torch.cuda.Stream()
     for batched in (False, True, False, True):
         slots_mod.BATCHED_COPIES = batched

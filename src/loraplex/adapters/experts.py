@@ -148,7 +148,8 @@ def _per_expert(name, path, parts, shape: ExpertShape, scaling_of, max_rank) -> 
                 res.a_gate_up[e, cols : cols + r] = a
                 res.b_gate_up[e, rows, cols : cols + r] = b
     if "down_proj" in by_proj:
-        res.a_down, res.b_down = torch.zeros(e_n, rank["down_proj"], i), torch.zeros(e_n, h, rank["down_proj"])
+        r_down = rank["down_proj"]
+        res.a_down, res.b_down = torch.zeros(e_n, r_down, i), torch.zeros(e_n, h, r_down)
         for e, (a, b) in by_proj["down_proj"].items():
             res.a_down[e, : a.shape[0]], res.b_down[e, :, : a.shape[0]] = a, b
     return res

@@ -44,7 +44,6 @@ from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolv
 from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
 from loraplex.types import LoRARequest
 
-
 # Adapter files read (and checked) at once; see AdapterManager.__init__.
 PARALLEL_READS = int(os.environ.get("LORAPLEX_PARALLEL_READS", 2))
 

@@ -66,7 +66,7 @@ class LoRASlotBuffers:
             )
         for x in self.experts.values():
             e, h, i = x.num_experts, x.hidden_size, x.intermediate_size
-            zeros = lambda *shape: torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)  # noqa: E731
+            zeros = lambda *shape, e=e: torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)  # noqa: E731
             x.lora_a_gate_up, x.lora_b_gate_up = zeros(2 * max_rank, h), zeros(2 * i, 2 * max_rank)
             x.lora_a_down, x.lora_b_down = zeros(max_rank, i), zeros(h, max_rank)
             x.lora_slot_mask = torch.zeros(max_loras, dtype=torch.int32, device=device)
@@ -102,8 +102,9 @@ class LoRASlotBuffers:
             x.lora_slots.add(slot)
             x.lora_slot_mask[slot] = 1
             ranks = [0, 0]
-            for i, (a, b, sa, sb) in enumerate(((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
-                                                (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))):
+            pairs = ((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
+                     (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))
+            for i, (a, b, sa, sb) in enumerate(pairs):
                 if a is not None:
                     r = ranks[i] = a.shape[1]
                     dsts += (sa[slot, :, :r], sb[slot, :, :, :r])
@@ -185,6 +186,7 @@ class LoRASlotBuffers:
 
 # Off: one copy_ per tensor (kept to measure against, benchmarks/slot_load.py).
 BATCHED_COPIES = True
+MAX_LAYOUTS = 64  # file layouts whose staging views are kept (each ~1 KB per tensor)
 
 
 class Staging:
@@ -247,6 +249,8 @@ class Staging:
         key = (dtype, tuple((off - lo, shape, stride) for off, shape, stride in spans))
         views = self._views.get(key)
         if views is None:
+            if len(self._views) >= MAX_LAYOUTS:  # adapters of many shapes: forget the oldest
+                del self._views[next(iter(self._views))]
             typed = self.buffer.view(dtype)
             views = self._views[key] = [
                 typed.as_strided(shape, stride or _contiguous(shape), (off - lo) // item)

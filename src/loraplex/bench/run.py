@@ -200,7 +200,8 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         if compiled:
             short = [c[:120] + " ..." + c[c.rfind(" called from "):] for c in compiled]
             logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
-                           "missed them; each stalls the engine; in full in the JSON): %s", len(compiled), short)
+                           "missed them; each stalls the engine; in full in the JSON): %s",
+                           len(compiled), short)
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
