@@ -326,3 +326,30 @@ def test_direct_reads_give_the_file(tmp_path, monkeypatch):
     pool = PinnedPool(count=2, nbytes=200_000, pinned=False)
     file = safetensors_io.read_safetensors(str(tmp_path / "w.safetensors"), False, pool.take(150_000))
     assert all(torch.equal(file[k], v) for k, v in tensors.items())
+
+
+def test_staged_slot_copy_places_and_scales_every_tensor(tmp_path, monkeypatch):
+    """The GPU slot copy's arithmetic, run on CPU tensors: the span of a file holding an
+    adapter goes to one staging buffer, each tensor lands in its (strided) slot view
+    times its scaling, and views are kept for a bounded number of file layouts."""
+    from safetensors.torch import save_file
+
+    from loraplex.adapters import slots
+    from loraplex.adapters.safetensors_io import read_safetensors
+
+    monkeypatch.setattr(slots, "MAX_LAYOUTS", 1)
+    tensors = {"a": torch.randn(4, 6), "b": torch.randn(10, 4), "c": torch.randn(3, 6)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    file = read_safetensors(str(tmp_path / "w.safetensors"), pinned=False)
+    stage = slots.Staging()
+    for scales in ([1.0, 0.5, 2.0], [3.0, 1.0, 1.0]):
+        slot_a, slot_b = torch.zeros(2, 8, 6), torch.zeros(2, 10, 8)  # [slots, rank cap, in], [slots, out, cap]
+        dsts = [slot_a[1, :4], slot_b[1, :, :4], slot_a[0, :3]]
+        spans = [(file.entries[n].begin, file.entries[n].shape, None) for n in "abc"]
+        stage._staged(dsts, file.buffer, spans, torch.float32, scales)
+        for d, n, s in zip(dsts, "abc", scales):
+            assert torch.equal(d, tensors[n] * s)
+        assert slot_a[1, 4:].abs().sum() == 0 and slot_b[1, :, 4:].abs().sum() == 0, "only the views are written"
+    other = [(file.entries["b"].begin, file.entries["b"].shape, None)]  # a second layout
+    stage._staged([torch.zeros(10, 4)], file.buffer, other, torch.float32, [1.0])
+    assert len(stage._views) == 1
