@@ -343,13 +343,13 @@ def test_staged_slot_copy_places_and_scales_every_tensor(tmp_path, monkeypatch):
     file = read_safetensors(str(tmp_path / "w.safetensors"), pinned=False)
     stage = slots.Staging()
     for scales in ([1.0, 0.5, 2.0], [3.0, 1.0, 1.0]):
-        slot_a, slot_b = torch.zeros(2, 8, 6), torch.zeros(2, 10, 8)  # [slots, rank cap, in], [slots, out, cap]
+        slot_a, slot_b = torch.zeros(2, 8, 6), torch.zeros(2, 10, 8)  # [slots, cap, in], [slots, out, cap]
         dsts = [slot_a[1, :4], slot_b[1, :, :4], slot_a[0, :3]]
         spans = [(file.entries[n].begin, file.entries[n].shape, None) for n in "abc"]
         stage._staged(dsts, file.buffer, spans, torch.float32, scales)
         for d, n, s in zip(dsts, "abc", scales):
             assert torch.equal(d, tensors[n] * s)
-        assert slot_a[1, 4:].abs().sum() == 0 and slot_b[1, :, 4:].abs().sum() == 0, "only the views are written"
+        assert slot_a[1, 4:].abs().sum() == 0 and slot_b[1, :, 4:].abs().sum() == 0, "only the views"
     other = [(file.entries["b"].begin, file.entries["b"].shape, None)]  # a second layout
     stage._staged([torch.zeros(10, 4)], file.buffer, other, torch.float32, [1.0])
     assert len(stage._views) == 1
