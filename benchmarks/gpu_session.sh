@@ -52,6 +52,8 @@ for step in $STEPS; do
         --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
         --max-num-batched-tokens 2048 --sample-stacks ${COLD_ARGS:-} --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
         | grep -v "it/s" > "$OUT/cold.txt"; tail -40 "$OUT/cold.txt" ;;
+    interference)  # issue 6: how much each kind of loader work slows a host-bound engine thread
+      timeout 200 python3 benchmarks/loader_interference.py --threads 1 2 8 2>&1 | tee "$OUT/interference.txt" | tail -12 ;;
     slot-load)
       timeout 100 python3 benchmarks/slot_load.py 2>&1 | tee "$OUT/slot-load.txt" ;;
   esac
