@@ -170,3 +170,29 @@ def test_async_scheduling_changes_nothing(model_dirs, adapter_dirs):
         if ox.logprobs is not None:
             assert [set(p) for p in ox.logprobs] == [set(p) for p in oy.logprobs]
     assert eager.engine.scheduler.blocks.num_free_blocks == 20
+
+
+def test_next_step_inputs_leave_the_previous_steps_staging_alone():
+    """A step's host-to-device input copies can still be queued (behind its adapter slot
+    copies) when the host fills the next step's inputs: on a GPU each step writes the
+    other of two pinned twins, so the previous step's values are intact until its copies
+    ran. (On CPU the buffers are the tensors ops read: one of each.)"""
+    from conftest import DEVICE
+
+    from loraplex.runner.batch_meta import InputBuffers
+    from loraplex.types import ScheduledChunk, StepPlan
+
+    def plan(tokens):
+        return StepPlan([ScheduledChunk("r", tokens, 0, [0, 1], -1, True, SamplingParams(), 0)])
+
+    bufs = InputBuffers(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, max_loras=2, block_size=16,
+                        device=torch.device(DEVICE))
+    bufs.prepare(plan([5, 6, 7]), [0, 0])
+    if DEVICE == "cpu":
+        assert len(bufs.input_ids.hosts) == 1
+        return
+    staged = bufs.input_ids.host
+    bufs.prepare(plan([8, 9]), [0, 0])
+    assert bufs.input_ids.host is not staged and staged[:3].tolist() == [5, 6, 7]
+    bufs.prepare(plan([1]), [0, 0])
+    assert bufs.input_ids.host is staged, "two twins, in turn"

@@ -29,13 +29,27 @@ class StepInputs:
 
 
 class _Buffer:
-    """A device tensor and its (pinned) host staging twin."""
+    """A device tensor and its pinned host staging twins, used in turn by successive
+    steps: a step's host-to-device copies may not have run when the host fills the next
+    step's inputs (they queue behind the step's adapter slot copies, milliseconds for a
+    large adapter), and with one step in flight the twin a step writes was last read by
+    the step before the previous one, whose results the engine has already collected."""
 
     def __init__(self, shape, dtype, device):
-        pin = device.type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        self.np = self.host.numpy()
-        self.dev = self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":  # no copies: the buffer is the tensor ops read
+            self.hosts = [torch.zeros(shape, dtype=dtype)]
+            self.dev = self.hosts[0]
+        else:
+            self.hosts = [torch.zeros(shape, dtype=dtype, pin_memory=True) for _ in range(2)]
+            self.dev = torch.zeros(shape, dtype=dtype, device=device)
+        self._nps = [h.numpy() for h in self.hosts]
+        self._turn = 0
+        self.host, self.np = self.hosts[0], self._nps[0]
+
+    def next_turn(self) -> None:
+        """Write the other host twin from now on (called once per step)."""
+        self._turn = (self._turn + 1) % len(self.hosts)
+        self.host, self.np = self.hosts[self._turn], self._nps[self._turn]
 
     def upload(self, *index) -> torch.Tensor:
         """Copy host[index] to the device; return the device view."""
@@ -64,11 +78,14 @@ class InputBuffers:
         self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
         self.group_ranks = _Buffer(max(1, max_loras), i32, device)
         self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
+        self._buffers = [b for b in vars(self).values() if isinstance(b, _Buffer)]
 
     def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None,
                 dora_slots: frozenset[int] | set[int] = frozenset()) -> StepInputs:
         """Fill the buffers for `plan`. pad_to: a decode step run by a CUDA graph captured
         for `pad_to` sequences; the rest are one-token padding sequences."""
+        for b in self._buffers:
+            b.next_turn()
         bs = self.block_size
         num_tokens, num_seqs = plan.num_tokens, len(plan.chunks)
         # Gather per-token values in Python lists, then write each buffer once: a decode
