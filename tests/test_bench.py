@@ -121,7 +121,7 @@ def test_bench_over_http():
 
 
 def test_step_profile_splits_time_by_kind_of_step():
-    from loraplex.bench.run import step_profile
+    from loraplex.bench.profile import step_profile
 
     log = ([(0.006, 32, 0, 0.001, 0.0)] * 20 + [(0.015, 544, 0, 0.002, 0.0)] * 4
            + [(0.2, 32, 1, 0.1, 0.05), (0.007, 33, 2, 0.003, 0.002)])
@@ -152,7 +152,7 @@ def test_compiled_kernels_reports_variants_compiled_meanwhile():
     hook is driven by hand, as Triton calls it)."""
     from triton import knobs
 
-    from loraplex.bench.run import compiled_kernels
+    from loraplex.bench.profile import compiled_kernels
 
     before = knobs.runtime.jit_post_compile_hook
     with compiled_kernels() as compiled:

@@ -16,11 +16,11 @@ import argparse
 import logging
 import threading
 import time
-import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 from loraplex.bench.clients import run_http, run_in_process
+from loraplex.bench.profile import compiled_kernels, pinned_allocs, step_profile
 from loraplex.bench.report import format_table, plot, summarize, to_json
 from loraplex.bench.stack_sampler import StackSampler
 from loraplex.bench.synthetic import LINEAR_TARGETS
@@ -186,14 +186,14 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         engine.runner.reset_moe_routing_stats()
         engine.step_log = []
         sampler = StackSampler(threading.current_thread()) if args.sample_stacks else nullcontext()
-        pinned_before = _pinned_allocs()
+        pinned_before = pinned_allocs()
         with compiled_kernels() as compiled, sampler:
             records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
             engine.runner.synchronize()  # every logged step's device events have fired
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
                  "steps": step_profile(engine.step_log), "compiled_while_timed": compiled}
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
-            extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in _pinned_allocs().items()}
+            extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in pinned_allocs().items()}
         if args.sample_stacks:
             extra["launch_stacks"] = sampler.report()
         engine.step_log = None
@@ -205,84 +205,6 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         results.append(summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
-
-
-@contextmanager
-def compiled_kernels():
-    """Yields a list that collects the Triton kernel variants compiled (or loaded from
-    Triton's disk cache) in this process meanwhile: after a warm-up it should stay empty."""
-    compiled: list[str] = []
-    try:
-        from triton import knobs
-    except ImportError:
-        knobs = None
-    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):  # no Triton, or too old
-        yield compiled
-        return
-    previous = knobs.runtime.jit_post_compile_hook
-    package = str(Path(__file__).parents[1]) + "/"
-
-    def hook(*_, **kw):
-        # The variant (its constexprs close the repr) and the loraplex calls that asked for it.
-        calls = [f"{f.filename[len(package):]}:{f.lineno} {f.name}"
-                 for f in traceback.extract_stack() if f.filename.startswith(package)][-6:-1]
-        compiled.append(f"{kw.get('repr', '?')} called from {' < '.join(reversed(calls))}")
-        if previous:
-            previous(*_, **kw)
-
-    knobs.runtime.jit_post_compile_hook = hook
-    try:
-        yield compiled
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
-
-
-def _pinned_allocs() -> dict[str, float] | None:
-    """Page-locked blocks PyTorch's host allocator created and returned so far, and the
-    milliseconds those CUDA calls took."""
-    import torch
-
-    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
-        return None
-    s = torch.cuda.host_memory_stats()
-    return {"allocs": s.get("num_host_alloc", 0), "alloc_ms": s.get("host_alloc_time.total", 0) / 1e3,
-            "frees": s.get("num_host_free", 0), "free_ms": s.get("host_free_time.total", 0) / 1e3}
-
-
-def step_profile(log: list[tuple]) -> dict:
-    """Where the run's time went, by kind of engine step: decode only, with prefill
-    tokens, with adapter slot loads; and the slow steps (over 3x the median). launch_ms:
-    the host's time inside runner.launch (planning inputs, slot copies, kernel launches,
-    and waiting when the device's launch queue is full; slot_copy_ms of it copying
-    adapters into slots); device_ms: from the step's first queued device work starting
-    to its last finishing (with one step in flight it starts when the previous one
-    ends), so a step the host holds up has launch_ms near its total and device_ms well
-    under it."""
-    if not log:
-        return {}
-    ms = sorted(r[0] * 1e3 for r in log)
-    median = ms[len(ms) // 2]
-
-    def kind(rows):
-        n = max(1, len(rows))
-        out = {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
-               "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
-               "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2),
-               "slot_copy_ms": round(1e3 * sum(r[4] for r in rows) / n, 2)}
-        timed = [r[5] for r in rows if len(r) > 5 and r[5] is not None]
-        if timed:
-            out["device_ms"] = round(sum(start.elapsed_time(end) for start, end in timed) / len(timed), 2)
-        return out
-
-    slow = [r for r in log if r[0] * 1e3 > 3 * median]
-    return {
-        "median_ms": round(median, 2), "total_s": round(sum(ms) / 1e3, 3),
-        "decode_only": kind([r for r in log if r[1] <= 64 and not r[2]]),
-        "with_prefill": kind([r for r in log if r[1] > 64]),
-        "with_slot_loads": kind([r for r in log if r[2]]),
-        "slow": {**kind(slow), "mean_tokens": round(sum(r[1] for r in slow) / len(slow), 1) if slow else 0,
-                 "mean_slot_loads": round(sum(r[2] for r in slow) / len(slow), 2) if slow else 0},
-    }
 
 
 def _publish(root: Path, adapters: dict[str, Path]) -> None:
