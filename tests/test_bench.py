@@ -45,6 +45,7 @@ def test_bench_in_process_on_a_tiny_model(model_dirs, tmp_path, capsys):
     assert code == 0
     table = capsys.readouterr().out
     assert "| run |" in table and "2 adapters (uniform)" in table
+    assert "2 adapters (uniform): " in table and " x base throughput, TTFT p99 " in table
     rows = json.loads(out.read_text())
     assert [r["num_requests"] - r["num_failed"] for r in rows] == [6, 6]
     assert all(r["output_throughput"] > 0 and r["tpot_ms"]["median"] > 0 for r in rows)

@@ -86,7 +86,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         results = _run_in_process(args, model_dir, dummy)
     print(format_table(results))
+    base = next((r for r in results if r.label.endswith(" base")), None)
     for r in results:
+        if base is not None and r is not base and base.output_throughput and base.ttft_ms.get("p99"):
+            tpot = r.tpot_ms.get("median", 0) / max(base.tpot_ms.get("median", 0), 1e-9)
+            print(f"{r.label}: {r.output_throughput / base.output_throughput:.2f} x base throughput, "
+                  f"TTFT p99 {r.ttft_ms.get('p99', 0) / base.ttft_ms['p99']:.2f} x base, "
+                  f"TPOT median {tpot:.2f} x base")
         if r.extra.get("steps"):
             print(f"{r.label}: engine steps {r.extra['steps']}")
         if "adapter_tiers" in r.extra:
