@@ -84,6 +84,33 @@ def test_hundreds_of_adapters_through_four_slots(llm, tmp_path):
             assert m.adapter_source != "disk" or m.adapter_load_time > 0
 
 
+def test_slow_slot_copies_change_no_output(llm, tmp_path, monkeypatch):
+    """A large adapter's slot copy takes milliseconds, and the step that needs it queues
+    its input copies behind it while the host already fills the next step's inputs.
+    Slot copies made slower still (on a GPU the copy stream first sleeps ~10 ms): every
+    output equals that adapter served alone."""
+    runner = llm.engine.runner
+    load = runner._load_slots
+
+    def slow(loads):
+        if runner.copy_stream is not None:
+            with torch.cuda.stream(runner.copy_stream):
+                torch.cuda._sleep(20_000_000)
+        load(loads)
+
+    loras = [LoRARequest(f"s{i}", 500 + i, str(_adapter(llm, tmp_path / f"s{i}", i))) for i in range(12)]
+    per_prompt = loras + [None] * 4
+    prompts = random_prompts(len(per_prompt), (4, 12), seed=7)
+    monkeypatch.setattr(runner, "_load_slots", slow)
+    together = llm.generate(prompts, SP, per_prompt)
+    monkeypatch.undo()
+    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    for a, b, p in zip(together, alone, prompts):
+        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
+    if DTYPE == "float32":
+        assert _tokens(together) == _tokens(alone)
+
+
 def test_identical_content_shares_one_copy(llm, tmp_path):
     src = _adapter(llm, tmp_path / "src", 3)
     copy = shutil.copytree(src, tmp_path / "copy")
