@@ -334,6 +334,8 @@ def test_file_read_lazily_has_the_content_id_of_its_tensors(tmp_path):
     assert _all_finite_named(file, list(file)) and _all_finite(list(tensors.values()))
     assert all(torch.equal(file[k], v) for k, v in tensors.items())
     tensors["c"][1, 1] = float("inf")
+    assert not _all_finite(list(tensors.values())) and _all_finite([tensors["a"], tensors["b"]])
+    assert not _all_finite([tensors["c"].t()]), "a non-contiguous tensor is checked too"
     save_file(tensors, tmp_path / "bad.safetensors")
     bad = read_safetensors(str(tmp_path / "bad.safetensors"), pinned=False)
     assert not _all_finite_named(bad, ["c"]) and _all_finite_named(bad, ["a", "b"])

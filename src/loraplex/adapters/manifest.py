@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
-from loraplex.adapters.safetensors_io import TensorFile
+from loraplex.adapters.safetensors_io import TensorFile, memory_span, tensor_meta
 
 # Config fields that change what an adapter computes.
 MATH_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern",
@@ -40,7 +40,7 @@ def data_digest(tensors: Mapping[str, torch.Tensor]) -> str:
             spans.append((t.data_ptr(), t.data_ptr() + t.nbytes))
         else:  # hashed on its own, from a contiguous copy
             spans.append((None, _bytes(t)))
-    return _digest_runs(spans, _span)
+    return _digest_runs(spans, memory_span)
 
 
 def _digest_runs(spans: list[tuple], read) -> str:
@@ -69,21 +69,9 @@ def manifest(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> dict:
         "format": "loraplex-adapter/1",
         "config": {k: config[k] for k in MATH_FIELDS if config.get(k) not in (None, {}, False)},
         "tensors": {name: {"dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
-                    for name, (dtype, shape) in sorted(_meta(tensors).items())},
+                    for name, (dtype, shape) in sorted(tensor_meta(tensors).items())},
         "data_sha256": data_digest(tensors),
     }
-
-
-def _span(start: int, end: int) -> memoryview:
-    import ctypes
-
-    return memoryview((ctypes.c_ubyte * (end - start)).from_address(start)).cast("B")
-
-
-def _meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple]]:
-    if isinstance(tensors, TensorFile):
-        return {name: (e.dtype, e.shape) for name, e in tensors.entries.items()}
-    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
 
 
 def content_id(config: Mapping, tensors: Mapping[str, torch.Tensor]) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from loraplex.adapters.experts import ExpertLoRA, ExpertShape, canonical_experts, lora_scaling, owner
-from loraplex.adapters.safetensors_io import TensorFile, read_safetensors
+from loraplex.adapters.safetensors_io import TensorFile, memory_span, read_safetensors, tensor_meta
 from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
@@ -63,7 +63,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        meta = _meta(self.tensors)
+        meta = tensor_meta(self.tensors)
         return sum(meta[n][0].itemsize * math.prod(meta[n][1]) for a, b, _ in self.modules.values()
                    for n in (a, b)) + sum(m.nbytes for m in self.magnitudes.values()) + sum(
             t.nbytes for x in self.experts.values() for t in x.tensors())
@@ -139,7 +139,7 @@ def to_canonical(
     if not isinstance(targets, AdapterTargets):
         targets = AdapterTargets(targets)
     projections = targets.projections
-    meta = _meta(tensors)
+    meta = tensor_meta(tensors)
     halves: dict[str, dict[str, str]] = {}  # module -> "A"/"B"/"m" -> tensor name
     on_experts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for tensor_name in tensors:
@@ -216,13 +216,6 @@ def to_canonical(
                        magnitudes=magnitudes, experts=_experts_in(experts, dtype))
 
 
-def _meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """dtype and shape by name (from the header for a TensorFile: no views made)."""
-    if isinstance(tensors, TensorFile):
-        return {n: (e.dtype, e.shape) for n, e in tensors.entries.items()}
-    return {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
-
-
 def _experts_in(experts: dict[str, ExpertLoRA], dtype: torch.dtype) -> dict[str, ExpertLoRA]:
     """Expert tensors in the model's dtype, in one (page-locked if CUDA) buffer."""
     fields = [(path, i, t) for path, x in experts.items()
@@ -246,36 +239,34 @@ def _packed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tenso
 
 
 def _all_finite_named(tensors: Mapping[str, torch.Tensor], names: list[str]) -> bool:
-    """_all_finite of tensors[name] for `names`; for a TensorFile from the buffer's bytes
-    (runs of back-to-back tensors of one dtype checked at once), making no views."""
+    """_all_finite of tensors[name] for `names`; for a TensorFile from the buffer's bytes,
+    making no views."""
     if not isinstance(tensors, TensorFile):
         return _all_finite([tensors[n] for n in names])
-    runs: list[list] = []  # [dtype, begin, end]
-    for e in sorted((tensors.entries[n] for n in names), key=lambda e: e.begin):
-        if runs and runs[-1][0] == e.dtype and runs[-1][2] == e.begin:
-            runs[-1][2] = e.end
-        else:
-            runs.append([e.dtype, e.begin, e.end])
-    return all(_finite_bytes(tensors.bytes(begin, end), dtype) for dtype, begin, end in runs)
+    spans = [(e.dtype, e.begin, e.end) for e in (tensors.entries[n] for n in names)]
+    return all(_finite_bytes(tensors.bytes(begin, end), dtype) for dtype, begin, end in _runs(spans))
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """No NaN or inf. Tensors back to back in one buffer (a file read whole) are checked
-    as one run per dtype: one operation instead of one per tensor."""
-    runs: list[tuple[torch.dtype, int, int, torch.Tensor]] = []  # dtype, start, end, any tensor in it
-    for t in sorted(tensors, key=lambda t: t.data_ptr()):
-        ptr = t.data_ptr()
-        if runs and runs[-1][0] == t.dtype and runs[-1][2] == ptr and t.is_contiguous():
-            runs[-1] = (t.dtype, runs[-1][1], ptr + t.nbytes, runs[-1][3])
+    """No NaN or inf. Tensors back to back in memory (a file read whole) are checked as
+    one run per dtype: one pass instead of one per tensor."""
+    direct = [t for t in tensors if t.is_contiguous() and t.numel() and t.dtype in _NP_FLOATS]
+    spans = [(t.dtype, t.data_ptr(), t.data_ptr() + t.nbytes) for t in direct]
+    read = {id(t) for t in direct}
+    return all(_finite(t) for t in tensors if id(t) not in read) and all(
+        _finite_bytes(np.frombuffer(memory_span(begin, end), np.uint8), dtype)
+        for dtype, begin, end in _runs(spans))
+
+
+def _runs(spans: list[tuple[torch.dtype, int, int]]) -> list[list]:
+    """(dtype, begin, end) spans, merged where one ends where the next of its dtype begins."""
+    runs: list[list] = []
+    for dtype, begin, end in sorted(spans, key=lambda span: span[1]):
+        if runs and runs[-1][0] == dtype and runs[-1][2] == begin:
+            runs[-1][2] = end
         else:
-            runs.append((t.dtype, ptr, ptr + t.nbytes, t))
-    for dtype, start, end, t in runs:
-        n = (end - start) // dtype.itemsize
-        flat = t if n == t.numel() else torch.empty(0, dtype=dtype).set_(
-            t.untyped_storage(), t.storage_offset() + (start - t.data_ptr()) // dtype.itemsize, (n,))
-        if not _finite(flat):
-            return False
-    return True
+            runs.append([dtype, begin, end])
+    return runs
 
 
 _CHUNK = 1 << 22  # elements per finiteness check: a small temporary, reused

@@ -61,6 +61,20 @@ class TensorFile(Mapping[str, torch.Tensor]):
         return self._np[begin:end]
 
 
+def tensor_meta(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """dtype and shape by name (from the header for a TensorFile: no views made)."""
+    if isinstance(tensors, TensorFile):
+        return {n: (e.dtype, e.shape) for n, e in tensors.entries.items()}
+    return {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+
+
+def memory_span(start: int, end: int) -> memoryview:
+    """The bytes at addresses [start, end) (of tensors known to live there), no copy."""
+    import ctypes
+
+    return memoryview((ctypes.c_ubyte * (end - start)).from_address(start)).cast("B")
+
+
 # Read adapter files with O_DIRECT into page-aligned buffers: the disk DMAs into the
 # page-locked buffer, and no CPU copies the bytes out of the page cache (an experiment:
 # copies by loader threads slow the engine thread, see benchmarks/NOTES.md).
