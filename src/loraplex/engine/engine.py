@@ -58,12 +58,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.eos_token_ids)
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
         if self.adapters is not None:
-            # Loader threads run short Python stretches between GIL-free reads, hashes and
-            # copies. The engine thread gives the GIL up at every torch call; when a loader
-            # takes it, the engine waits up to the switch interval to get it back. At the
-            # default 5 ms that held up the GPU (1,000 cold adapters, H200: 1,185 -> 1,400
-            # tok/s at 0.5 ms); at 0.5 ms an eager prefill step (hundreds of calls) still
-            # spends ~170 ms on the host while loads run (bench step profile, NOTES.md).
+            # Loader threads run short Python stretches between GIL-free reads and checks.
+            # The engine thread gives the GIL up at every torch call; when a loader takes
+            # it, the engine waits up to the switch interval to get it back. At the default
+            # 5 ms that held up the GPU (1,000 cold adapters, H200: 1,185 -> 1,400 tok/s at
+            # 0.5 ms). Loaders also make no torch call per tensor (adapters/safetensors_io.py).
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.runner.adapters = self.adapters
         self.scheduler = Scheduler(
