@@ -46,6 +46,9 @@ for step in $STEPS; do
         | grep -v -i warn | tee "$OUT/train-moe.txt" | tail -8
       timeout 200 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 --moe-only 2>&1 \
         | grep -v -i warn | tee "$OUT/train-moe-only.txt" | tail -8 ;;
+    train-profile)  # issue 7: kernel tables of the MoE-only step at 16K tokens, loraplex and PEFT
+      timeout 300 python3 benchmarks/train_moe.py --layers 2 --seq-lens ${SEQ:-16384} --profile 2>&1 \
+        | grep -v -i warn > "$OUT/train-profile.txt"; grep -A 14 "===" "$OUT/train-profile.txt" ;;
     cold)  # issue 6: 1,000 cold adapters from a registry; the step profile says where time goes
       timeout 560 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 1000 \
         --adapter-dist uniform zipf --cold-adapters --adapter-registry --max-loras 32 --max-cpu-loras 128 \

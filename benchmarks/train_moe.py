@@ -164,6 +164,17 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
         print(f"  {name:40s} {ms(fn):8.3f} ms")
 
 
+def profile(model, cfg, which: str, seq_len: int, device, dtype) -> None:
+    """torch.profiler over two MoE-only steps: the kernels each side spends its time in."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    moe_step_time(model, cfg, seq_len, 1, device, dtype)  # warm-up, compiles, allocator
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        moe_step_time(model, cfg, seq_len, 1, device, dtype)
+    print(f"\n=== {which}, MoE blocks alone, {seq_len} tokens, {cfg.num_hidden_layers} layers, 2 steps")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=2)
@@ -173,6 +184,7 @@ def main():
     p.add_argument("--device", default="cuda")
     p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
     p.add_argument("--breakdown", action="store_true", help="time one layer's primitives (CUDA)")
+    p.add_argument("--profile", action="store_true", help="kernel table of the MoE-only step, both sides")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -184,6 +196,11 @@ def main():
     rows = []
     for which in ("loraplex", "peft"):
         model = make(cfg, which, device, dtype)
+        if args.profile:
+            for s in args.seq_lens:
+                profile(model, cfg, which, s, device, dtype)
+            del model
+            continue
         base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
         for s in args.seq_lens:
             try:
@@ -198,6 +215,8 @@ def main():
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.profile:
+        return
     print(f"\n{'MoE blocks alone' if args.moe_only else 'whole model'}, {args.layers} layers")
     print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB "
           "| memory saved |")
