@@ -5,6 +5,8 @@ set -u
 OUT=${OUT:-./gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 STEPS=${*:-tests kernels profile bench}
+# The server tests' packages, where a wheel directory came along (machines without internet)
+[ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl openai fastapi uvicorn 2>&1 | tail -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for step in $STEPS; do
   echo "=== $step"

@@ -169,10 +169,12 @@ def profile(model, cfg, which: str, seq_len: int, device, dtype) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     moe_step_time(model, cfg, seq_len, 1, device, dtype)  # warm-up, compiles, allocator
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         moe_step_time(model, cfg, seq_len, 1, device, dtype)
     print(f"\n=== {which}, MoE blocks alone, {seq_len} tokens, {cfg.num_hidden_layers} layers, 2 steps")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    print(prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=30, max_shapes_column_width=60))
 
 
 def main():

@@ -193,3 +193,47 @@ def test_route_experts(t, e, k, renorm):
         assert torch.equal(order.values, want_order.values)
         torch.testing.assert_close(w.cpu().gather(-1, order.indices), want_w.gather(-1, want_order.indices),
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p, width", [(13, 40), (9, 1100)])  # width past one column block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_weighted_forward_backward(p, width, dtype):
+    """The MoE training activation kernel against its oracle, forward and backward (every
+    output written: the outputs start as NaN)."""
+    import loraplex.ops.triton as kernel
+    from loraplex.ops.reference import train_moe as ref
+
+    gen = torch.Generator().manual_seed(p + width)
+    rnd = lambda *s: (torch.randn(*s, generator=gen) * 2).to(DEVICE, dtype)  # noqa: E731
+    gate_up, w, g = rnd(p, 2 * width), rnd(p).abs(), rnd(p, width)
+    tol = REL_TOL[dtype]
+    h = kernel.silu_mul_weighted(gate_up, w)
+    assert not h.isnan().any()
+    torch.testing.assert_close(h.float(), ref.silu_mul_weighted(gate_up, w).float(), rtol=tol, atol=tol)
+    d_gu, d_w = kernel.silu_mul_weighted_backward(g, gate_up, w)
+    r_gu, r_w = ref.silu_mul_weighted_backward(g, gate_up, w)
+    assert d_w.dtype == torch.float32 and not d_gu.isnan().any()
+    torch.testing.assert_close(d_gu.float(), r_gu.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(d_w, r_w, rtol=tol, atol=tol * r_w.abs().max().item())
+    # the oracle's backward is autograd's of its forward (float32)
+    x, wx = gate_up.float().cpu().requires_grad_(), w.float().cpu().requires_grad_()
+    ref.silu_mul_weighted(x, wx).backward(g.float().cpu())
+    r_gu32, r_w32 = ref.silu_mul_weighted_backward(g.float().cpu(), gate_up.float().cpu(), w.float().cpu())
+    torch.testing.assert_close(r_gu32, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r_w32, wx.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("t, k, width", [(7, 3, 70), (5, 8, 2500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_rows_by_token(t, k, width, dtype):
+    import loraplex.ops.triton as kernel
+    from loraplex.ops.reference import train_moe as ref
+
+    gen = torch.Generator().manual_seed(t * k)
+    rows = torch.randn(t * k, width, generator=gen).to(DEVICE, dtype)
+    inv = torch.randperm(t * k, generator=gen).to(DEVICE)
+    got = kernel.sum_rows_by_token(rows, inv, k)
+    tol = REL_TOL[dtype]
+    torch.testing.assert_close(got.float(), ref.sum_rows_by_token(rows, inv, k).float(), rtol=tol, atol=tol)
+    want = rows.float()[inv.view(t, k)].sum(1)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)

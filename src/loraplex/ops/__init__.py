@@ -41,6 +41,13 @@ def using_backend(name: str):
         _impl = prev
 
 
+def backend_for(device: torch.device | str) -> ModuleType:
+    """The backend module for code outside the engine (training), per tensor device:
+    Triton on CUDA, plain torch elsewhere. The engine's ops follow `use_backend` instead."""
+    name = "triton" if torch.device(device).type == "cuda" else "torch"
+    return importlib.import_module(_BACKENDS[name])
+
+
 def backend_name() -> str:
     return next(k for k, v in _BACKENDS.items() if v == _impl.__name__)
 

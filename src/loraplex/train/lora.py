@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraplex.train.moe import CombineByToken, ExpertProjection, SortedPairs, sort_pairs
+from loraplex.train.moe import CombineByToken, ExpertProjection, SiluMulWeighted, SortedPairs, sort_pairs
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -62,6 +62,15 @@ def is_experts(module: nn.Module) -> bool:
                for p in EXPERT_PARAMS)
 
 
+def _is_silu_gate(experts: nn.Module) -> bool:
+    """transformers' default gate (gate, up = chunk(2); act(gate) * up) with SiLU: Qwen3-MoE,
+    Mixtral. Those run the fused SiluMulWeighted; any other gate runs as transformers does."""
+    gate = getattr(type(experts), "_apply_gate", None)
+    act = getattr(experts, "act_fn", None)
+    return (getattr(gate, "__name__", "") == "_default_apply_gate"
+            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
 class LoRAExperts(nn.Module):
     """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights)."""
 
@@ -70,6 +79,7 @@ class LoRAExperts(nn.Module):
         self.base_layer, self.scale, self.backend = base, spec.scale, backend
         self.transposed = bool(getattr(base, "is_transposed", False))
         self.num_experts = base.gate_up_proj.shape[0]
+        self.silu_gate = _is_silu_gate(base)
         for p in EXPERT_PARAMS:
             e, in_f, out_f = self.in_out(p)
             dev = getattr(base, p).device
@@ -96,14 +106,14 @@ class LoRAExperts(nn.Module):
         pairs = sort_pairs(top_k_index, self.num_experts)
         # gate/up gathers the routed rows itself (sorted by expert) and keeps only the input
         gate_up = self._project(hidden_states, "gate_up_proj", pairs, gather=True)
-        h = self.base_layer._apply_gate(gate_up)
-        weights = top_k_weights.reshape(-1)[pairs.order, None].to(h.dtype)
-        if getattr(self.base_layer, "down_proj_bias", None) is None:
+        weights = top_k_weights.reshape(-1)[pairs.order].to(gate_up.dtype)
+        if self.silu_gate and getattr(self.base_layer, "down_proj_bias", None) is None:
             # (h w) W = (h W) w: weighting the [P, I] input, not the [P, H] output, keeps the
-            # smaller tensor for backward (the product's saved operand)
-            y = self._project(h * weights, "down_proj", pairs)
-        else:  # gpt-oss: the bias is weighted too, as transformers does
-            y = self._project(h, "down_proj", pairs) * weights
+            # smaller tensor for backward (the product's saved operand); one fused kernel
+            y = self._project(SiluMulWeighted.apply(gate_up, weights), "down_proj", pairs)
+        else:  # gpt-oss (clamped gate, biases: the bias is weighted too, as transformers does)
+            h = self.base_layer._apply_gate(gate_up)
+            y = self._project(h, "down_proj", pairs) * weights[:, None]
         return CombineByToken.apply(y, pairs)
 
 

@@ -10,6 +10,7 @@ from loraplex.ops.reference.elementwise import (
 )
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
 from loraplex.ops.reference.moe import fused_experts, route_experts
+from loraplex.ops.reference.train_moe import silu_mul_weighted, silu_mul_weighted_backward, sum_rows_by_token
 
 __all__ = [
     "fused_experts",
@@ -22,5 +23,8 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_mul_weighted",
+    "silu_mul_weighted_backward",
+    "sum_rows_by_token",
     "write_kv_cache",
 ]

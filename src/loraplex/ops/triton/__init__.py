@@ -18,6 +18,8 @@ from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
 from loraplex.ops.triton.rotary import rotary_embedding
+from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
+from loraplex.ops.triton.token_sum import sum_rows_by_token
 
 # Up to this many tokens a step runs the GEMV (per-token) LoRA kernels, above it the
 # segmented GEMMs: decode batches are at most this large per CUDA graph bucket.
@@ -60,6 +62,9 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_mul_weighted",
+    "silu_mul_weighted_backward",
+    "sum_rows_by_token",
     "warm_up_lora",
     "write_kv_cache",
 ]

@@ -1,0 +1,31 @@
+"""Plain-torch oracles of the MoE training kernels (gated activation with the routing
+weight, and the sum of each token's expert rows), forward and backward, in float32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """gate_up [P, 2I] (gate | up), weight [P] -> silu(gate) * up * weight [P, I]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up * weight.float()[:, None]).to(gate_up.dtype)
+
+
+def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor):
+    """-> (d gate_up [P, 2I] in gate_up's dtype, d weight [P] float32)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    g = grad.float()
+    d_weight = (g * silu * up).sum(-1)
+    g = g * weight.float()[:, None]
+    d_gate = g * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([d_gate, g * silu], dim=-1).to(gate_up.dtype), d_weight
+
+
+def sum_rows_by_token(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torch.Tensor:
+    """rows [P, D] in sorted pair order, inv [T * top_k] (flat pair -> sorted row) ->
+    [T, D]: out[t] = sum_j rows[inv[t * top_k + j]], summed in float32, rounded once."""
+    return rows[inv].view(-1, top_k, rows.shape[1]).sum(1, dtype=torch.float32).to(rows.dtype)
