@@ -48,6 +48,9 @@ for step in $STEPS; do
         | grep -v -i warn | tee "$OUT/train-moe.txt" | tail -8
       timeout 200 python3 benchmarks/train_moe.py --layers 2 --seq-lens 1024 4096 16384 --moe-only 2>&1 \
         | grep -v -i warn | tee "$OUT/train-moe-only.txt" | tail -8 ;;
+    train-breakdown)  # issue 7: one MoE layer's primitives at 16K tokens, eager vs fused kernels
+      timeout 200 python3 benchmarks/train_moe.py --breakdown --seq-lens ${SEQ:-16384} 2>&1 | grep -v -i warn \
+        | tee "$OUT/train-breakdown.txt" | tail -30 ;;
     train-profile)  # issue 7: kernel tables of the MoE-only step at 16K tokens, loraplex and PEFT
       timeout 300 python3 benchmarks/train_moe.py --layers 2 --seq-lens ${SEQ:-16384} --profile 2>&1 \
         | grep -v -i warn > "$OUT/train-profile.txt"; grep -A 14 "===" "$OUT/train-profile.txt" ;;

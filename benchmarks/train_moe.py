@@ -141,8 +141,27 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
             times.append(a.elapsed_time(b))
         return statistics.median(times)
 
+    from loraplex import ops
+
+    kern = ops.backend_for(device)
+    wts = torch.rand(p, device=device, dtype=dtype, generator=gen)
+    gu32 = rnd(p, 2 * i)
+
+    def eager_act_backward():
+        z = gu32.detach().requires_grad_()
+        wz = wts.detach().requires_grad_()
+        gate, up = z.chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up * wz[:, None]).backward(hh)
+
     rows = {
         "sort_pairs": lambda: sort_pairs(top, e),
+        "silu*up*w eager fwd+bwd (autograd)": eager_act_backward,
+        "silu*up*w fused fwd (Triton)": lambda: kern.silu_mul_weighted(gu32, wts),
+        "silu*up*w fused bwd (Triton)": lambda: kern.silu_mul_weighted_backward(hh, gu32, wts),
+        "expand + add_ [P,H] (grouped_mm)": lambda: y.add_(gmm(xa, b_d, groups, backend)),
+        "expand added in place [P,H] (Triton)": lambda: kern.grouped_lora_add(y, xa, b_d, groups.offsets, 1.0),
+        "gather + sum over k [P,H] -> [T,H] (eager)":
+            lambda: y[pairs.inv].view(-1, k, h).sum(1),
         "gather x[tokens] [P,H]": lambda: x[tokens],
         "gmm gate_up base (fwd)": lambda: gmm(xs, w_gu, groups, backend),
         "gmm gate_up lora shrink+expand (fwd)":
@@ -151,7 +170,7 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
         "gmm down base (fwd)": lambda: gmm(hh, w_d, groups, backend),
         "gmm down lora (fwd)": lambda: gmm(gmm(hh, a_d, groups, backend), b_d, groups, backend),
         "index_add [P,H] -> [T,H]": lambda: x.new_zeros(x.shape).index_add(0, tokens, y),
-        "sum_by_token [P,H] -> [T,H]": lambda: sum_by_token(y, pairs),
+        "sum_by_token [P,H] -> [T,H] (Triton)": lambda: sum_by_token(y, pairs),
         "gmm down dgrad g@W^T (bwd)": lambda: gmm(g, w_d.transpose(1, 2), groups, backend),
         "gmm gate_up dgrad (bwd)": lambda: gmm(gu, w_gu.transpose(1, 2), groups, backend),
         "outer x^T gxa (grad A gate_up)": lambda: outer(xs, xa, groups, backend),

@@ -8,6 +8,7 @@ Layers call `loraplex.ops.<op>`; nothing else imports a backend directly.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from contextlib import contextmanager
 from types import ModuleType
@@ -41,11 +42,15 @@ def using_backend(name: str):
         _impl = prev
 
 
+@functools.cache
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(_BACKENDS[name])
+
+
 def backend_for(device: torch.device | str) -> ModuleType:
     """The backend module for code outside the engine (training), per tensor device:
     Triton on CUDA, plain torch elsewhere. The engine's ops follow `use_backend` instead."""
-    name = "triton" if torch.device(device).type == "cuda" else "torch"
-    return importlib.import_module(_BACKENDS[name])
+    return _module("triton" if torch.device(device).type == "cuda" else "torch")
 
 
 def backend_name() -> str:

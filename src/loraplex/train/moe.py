@@ -15,6 +15,9 @@ Backends (one per call site, picked by `resolve_backend`, override with --moe-ba
   (sm80+) in bf16. It needs 16-byte aligned strides; a call it refuses (e.g. rank 4 in
   bf16) runs on the loop instead, with one warning per shape.
 The gathered input is copied once (one row per pair); torch's grouped GEMM cannot gather.
+Around the GEMMs, each pass over [pairs, width] is one kernel (`ops.backend_for`: Triton
+on a GPU, plain torch elsewhere): the LoRA expand added in place, silu(gate) * up times
+the routing weight (forward and backward), and the sum of each token's rows.
 """
 
 from __future__ import annotations
@@ -118,6 +121,9 @@ def outer(a: torch.Tensor, b: torch.Tensor, groups: Groups, backend: str) -> tor
 class ExpertProjection(torch.autograd.Function):
     """y = x w_e + scale (x a_e) b_e per row block e, x's rows gathered by `pairs` if given.
 
+    The rank-r expand adds into the base GEMM's output in place (ops.grouped_lora_add;
+    one kernel on a GPU), forward and in the input gradient.
+
     x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen; a
     [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only). Gradients:
     x, a, b; never w. With pairs, backward keeps x, not the gathered [N, K] copy (top_k
@@ -133,7 +139,7 @@ class ExpertProjection(torch.autograd.Function):
         xa = None
         if a is not None:
             xa = gmm(xs, a, groups, backend)
-            y = y.add_(gmm(xa, b, groups, backend), alpha=scale)
+            ops.backend_for(y.device).grouped_lora_add(y, xa, b, groups.offsets, scale)
         ctx.save_for_backward(x, w, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
         return y
@@ -153,7 +159,7 @@ class ExpertProjection(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = gmm(g, w.transpose(1, 2), groups, backend)
             if gxa is not None:
-                gx = gx.add_(gmm(gxa, a.transpose(1, 2), groups, backend))
+                ops.backend_for(gx.device).grouped_lora_add(gx, gxa, a.transpose(1, 2), groups.offsets, 1.0)
             if pairs is not None:  # each token's rows summed back onto it
                 gx = sum_by_token(gx, pairs)
         return gx, None, ga, gb, None, None, None, None

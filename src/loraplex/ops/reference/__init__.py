@@ -10,13 +10,19 @@ from loraplex.ops.reference.elementwise import (
 )
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
 from loraplex.ops.reference.moe import fused_experts, route_experts
-from loraplex.ops.reference.train_moe import silu_mul_weighted, silu_mul_weighted_backward, sum_rows_by_token
+from loraplex.ops.reference.train_moe import (
+    grouped_lora_add,
+    silu_mul_weighted,
+    silu_mul_weighted_backward,
+    sum_rows_by_token,
+)
 
 __all__ = [
     "fused_experts",
     "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",
+    "grouped_lora_add",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

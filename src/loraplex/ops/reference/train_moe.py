@@ -29,3 +29,15 @@ def sum_rows_by_token(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torc
     """rows [P, D] in sorted pair order, inv [T * top_k] (flat pair -> sorted row) ->
     [T, D]: out[t] = sum_j rows[inv[t * top_k + j]], summed in float32, rounded once."""
     return rows[inv].view(-1, top_k, rows.shape[1]).sum(1, dtype=torch.float32).to(rows.dtype)
+
+
+def grouped_lora_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                     scale: float) -> None:
+    """In place: y[rows of expert e] += scale * xa[rows] @ b[e], rows sorted by expert,
+    expert e's rows ending at ends[e]. y [P, N], xa [P, r], b [E, r, N]."""
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            delta = xa[start:end].float() @ b[e].float()
+            y[start:end] = (y[start:end].float() + scale * delta).to(y.dtype)
+        start = end

@@ -9,6 +9,7 @@ import torch
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts
+from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.kv_cache import write_kv_cache
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
@@ -56,6 +57,7 @@ __all__ = [
     "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",
+    "grouped_lora_add",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

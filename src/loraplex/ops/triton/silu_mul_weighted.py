@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS = 4  # rows per program; columns in blocks of up to 1024, looped
+ROWS = 8  # rows per program; columns in blocks of up to 1024, looped
 
 
 @triton.jit
@@ -57,6 +57,11 @@ def _backward_kernel(g_ptr, gu_ptr, w_ptr, dgu_ptr, dw_ptr, n_rows, width, strid
 
 
 def _block(width: int) -> int:
+    """Column block: a power of two that divides the width where one of 128+ does (768 ->
+    256: no masked lanes), else the width rounded up (at most 1024, looped)."""
+    for block in (1024, 512, 256, 128):
+        if width % block == 0:
+            return block
     return min(1024, triton.next_power_of_2(width))
 
 
