@@ -141,6 +141,15 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
             times.append(a.elapsed_time(b))
         return statistics.median(times)
 
+    def host_us(fn):  # submission cost alone: calls queued back to back, no waiting
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        t = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+        return t
+
     from loraplex import ops
 
     kern = ops.backend_for(device)
@@ -163,6 +172,8 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
         "gather + sum over k [P,H] -> [T,H] (eager)":
             lambda: y[pairs.inv].view(-1, k, h).sum(1),
         "gather x[tokens] [P,H]": lambda: x[tokens],
+        "gather index_select(x, 0, tokens) [P,H]": lambda: torch.index_select(x, 0, tokens),
+        "gather w[order] [P] (weights)": lambda: wts[pairs.order],
         "gmm gate_up base (fwd)": lambda: gmm(xs, w_gu, groups, backend),
         "gmm gate_up lora shrink+expand (fwd)":
             lambda: gmm(gmm(xs, a_gu, groups, backend), b_gu, groups, backend),
@@ -178,9 +189,9 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
         "outer h^T gxa (grad A down)": lambda: outer(hh, xa, groups, backend),
         "outer xa^T g (grad B down)": lambda: outer(xa, g, groups, backend),
     }
-    print(f"one MoE layer, {seq_len} tokens, {p} pairs, backend {backend}")
+    print(f"one MoE layer, {seq_len} tokens, {p} pairs, backend {backend}: GPU time, host time per call")
     for name, fn in rows.items():
-        print(f"  {name:40s} {ms(fn):8.3f} ms")
+        print(f"  {name:44s} {ms(fn):8.3f} ms  host {host_us(fn):6.1f} us/call")
 
 
 def profile(model, cfg, which: str, seq_len: int, device, dtype) -> None:

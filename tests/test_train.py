@@ -245,13 +245,13 @@ def test_fused_training_kernels_match_eager(arch, moe_dirs, monkeypatch):
     from loraplex import ops
 
     assert all(m.silu_gate for m in _our_model(moe_dirs[arch])[2].values() if isinstance(m, LoRAExperts))
-    batch = _batch()
+    batch = {k: v.to(DEVICE) for k, v in _batch().items()}  # float32, on the test device
     results = []
     for name in ("torch", "triton"):
         module = importlib.import_module(f"loraplex.ops.{'reference' if name == 'torch' else 'triton'}")
         monkeypatch.setattr(ops, "backend_for", lambda device, m=module: m)
         model, _, wrapped = _our_model(moe_dirs[arch], moe_backend="loop")
-        results.append(_loss_and_grads(model, wrapped, batch))
+        results.append(_loss_and_grads(model.to(DEVICE), wrapped, batch))
     assert abs(results[0][0] - results[1][0]) < 1e-5
     for key, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][key], g, rtol=1e-4, atol=1e-5 * g.abs().max().item())
