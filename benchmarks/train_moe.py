@@ -217,6 +217,8 @@ def main():
     p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
     p.add_argument("--breakdown", action="store_true", help="time one layer's primitives (CUDA)")
     p.add_argument("--profile", action="store_true", help="kernel table of the MoE-only step, both sides")
+    p.add_argument("--check-syncs", action="store_true",
+                   help="one loraplex MoE-only step under CUDA sync debug mode: where the host waits")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -224,6 +226,21 @@ def main():
     if args.breakdown:
         for s in args.seq_lens:
             breakdown(cfg, s, device, dtype)
+        return
+    if args.check_syncs:
+        import warnings
+
+        model = make(cfg, "loraplex", device, dtype)
+        moe_step_time(model, cfg, args.seq_lens[0], 1, device, dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            moe_step_time(model, cfg, args.seq_lens[0], 0, device, dtype)
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        print(f"{len(syncs)} implicit host syncs in one MoE-only step")
+        for w in syncs:
+            print(" ", w.filename, w.lineno, str(w.message)[:100])
         return
     rows = []
     for which in ("loraplex", "peft"):

@@ -180,14 +180,18 @@ class SortedPairs:
 
 
 def sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> SortedPairs:
+    """No host sync: each expert's row end is a search in the sorted experts, where
+    torch.bincount on a GPU reads the largest key back to the host first (a sync per
+    layer, which left the GPU idle while the host queued the rest of the step)."""
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    experts = flat[order]
+    ids = torch.arange(max(order.numel(), num_experts), device=order.device)
+    ends = torch.searchsorted(experts, ids[:num_experts].to(experts.dtype), right=True)
     inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
+    inv[order] = ids[:order.numel()]
     top_k = top_k_index.shape[1]
-    groups = Groups(counts.cumsum(0).to(torch.int32))
-    return SortedPairs(order, order // top_k, flat[order], inv, top_k, groups)
+    return SortedPairs(order, order // top_k, experts, inv, top_k, Groups(ends.to(torch.int32)))
 
 
 def sum_by_token(rows: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:
