@@ -217,6 +217,7 @@ def main():
     p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
     p.add_argument("--breakdown", action="store_true", help="time one layer's primitives (CUDA)")
     p.add_argument("--profile", action="store_true", help="kernel table of the MoE-only step, both sides")
+    p.add_argument("--host-profile", action="store_true", help="cProfile of loraplex's MoE-only steps")
     p.add_argument("--check-syncs", action="store_true",
                    help="one loraplex MoE-only step under CUDA sync debug mode: where the host waits")
     args = p.parse_args()
@@ -227,6 +228,20 @@ def main():
         for s in args.seq_lens:
             breakdown(cfg, s, device, dtype)
         return
+    if args.host_profile:  # cProfile of loraplex's MoE-only steps: where the host's time goes
+        import cProfile
+        import pstats
+
+        model = make(cfg, "loraplex", device, dtype)
+        moe_step_time(model, cfg, args.seq_lens[0], 2, device, dtype)
+        prof = cProfile.Profile()
+        prof.enable()
+        moe_step_time(model, cfg, args.seq_lens[0], 10, device, dtype)
+        prof.disable()
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumtime").print_stats(45)
+        return
     if args.check_syncs:
         import warnings
 
@@ -235,7 +250,7 @@ def main():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-            moe_step_time(model, cfg, args.seq_lens[0], 0, device, dtype)
+            moe_step_time(model, cfg, args.seq_lens[0], 1, device, dtype)
             torch.cuda.set_sync_debug_mode(0)
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         print(f"{len(syncs)} implicit host syncs in one MoE-only step")
