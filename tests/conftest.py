@@ -125,12 +125,14 @@ def adapter_dirs(model_dirs, tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 
 class HFOracle:
-    """transformers (+ PEFT) on the same weights, float32 on CPU: the reference."""
+    """transformers (+ PEFT) on the same weights, float32 on CPU: the reference. (dtype
+    bfloat16: the same on CPU in bf16, to tell bf16's own effects, such as a router tie
+    that flips, from loraplex's.)"""
 
-    def __init__(self, model_dir: Path, adapter_dir: Path | None = None):
+    def __init__(self, model_dir: Path, adapter_dir: Path | None = None, dtype=torch.float32):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if adapter_dir is not None:
             from peft import PeftModel
 

@@ -340,8 +340,14 @@ def test_trained_adapter_serves_as_peft_computes_it(arch, messages, model_dirs, 
         want = oracle.prompt_logprobs(p)
         if DTYPE == "float32":
             torch.testing.assert_close(got, want, atol=tolerance(), rtol=0)
-        else:  # a router near a tie may pick another expert once rounded (as in test_moe.py)
-            assert (got - want).abs().median() <= tolerance()
+        elif (got - want).abs().median() > tolerance():
+            # bf16 itself moved the answer: a router near a tie picks another expert once
+            # rounded, and later tokens attend to the changed one (seen with gpt-oss: PEFT
+            # in bf16 differs from float32 by up to 1.1 there). Then loraplex must agree
+            # with transformers + PEFT computing in bf16 too.
+            bf16 = HFOracle(model_dir, tmp_path / "ad", dtype=torch.bfloat16).prompt_logprobs(p)
+            assert (bf16 - want).abs().max() > tolerance(), "bf16 alone does not explain the difference"
+            assert (got - bf16).abs().median() <= tolerance()
         assert (want - base.prompt_logprobs(p)).abs().max() > 1e-2  # the adapter does something
 
 
