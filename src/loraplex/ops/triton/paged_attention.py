@@ -27,9 +27,16 @@ from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
 
 
-def attention_config(max_query_len: int, group: int) -> dict:
+def attention_config(max_query_len: int, group: int, row_bytes: int = 256) -> dict:
+    """row_bytes: one head's q/k/v row in memory (head_dim x element size). Rows over 512
+    bytes (float32 with Gemma 3's head_dim 256) get half-size, single-stage tiles: the
+    bf16 tiles would need 288 KB of shared memory there, past an H100/H200's 227 KB."""
+    wide = row_bytes > 512
     if max_query_len == 1:  # decode: one token's heads per tile
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32 if wide else 64, num_warps=4,
+                    num_stages=1 if wide else 2)
+    if wide:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
@@ -127,7 +134,7 @@ def paged_attention(
         if splits > 1:
             return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks)
     out = torch.empty_like(q)
-    cfg = attention_config(batch.max_query_len, group)
+    cfg = attention_config(batch.max_query_len, group, triton.next_power_of_2(head_dim) * q.element_size())
     block_q = cfg["BLOCK_M"] // group
     assert block_q >= 1, "a tile must hold at least one token's query heads"
     grid = (triton.cdiv(batch.max_query_len, block_q), batch.num_seqs, num_kv_heads)
