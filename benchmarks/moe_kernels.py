@@ -74,7 +74,7 @@ def main():
             return [c for c in full(*a, **kw) if c["num_stages"] in (3, 4)]
 
         tm.candidates = reduced
-        for name, (e, h, i, k) in SHAPES.items():
+        for e, h, i, k in SHAPES.values():
             tm.tune(e, h, i, k, torch.bfloat16, args.tune, Path(args.config_dir))
         from loraplex.ops.triton import moe_configs
 

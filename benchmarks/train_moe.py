@@ -165,10 +165,11 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
     rows = {
         "sort_pairs": lambda: sort_pairs(top, e),
         "silu*up*w eager fwd+bwd (autograd)": eager_act_backward,
-        "silu*up*w fused fwd (Triton)": lambda: kern.silu_mul_weighted(gu32, wts),
-        "silu*up*w fused bwd (Triton)": lambda: kern.silu_mul_weighted_backward(hh, gu32, wts),
+        "silu*up*w fused fwd (Triton)": lambda: kern.silu_mul_weighted(gu32, wts, pairs.order),
+        "silu*up*w fused bwd (Triton)": lambda: kern.silu_mul_weighted_backward(hh, gu32, wts, pairs.order),
         "expand + add_ [P,H] (grouped_mm)": lambda: y.add_(gmm(xa, b_d, groups, backend)),
-        "expand added in place [P,H] (Triton)": lambda: kern.grouped_lora_add(y, xa, b_d, groups.offsets, 1.0),
+        "expand added in place [P,H] (Triton)":
+            lambda: kern.grouped_lora_add(y, xa, b_d, groups.offsets, 1.0),
         "gather + sum over k [P,H] -> [T,H] (eager)":
             lambda: y[pairs.inv].view(-1, k, h).sum(1),
         "gather x[tokens] [P,H]": lambda: x[tokens],
@@ -196,7 +197,8 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
 
 def profile(model, cfg, which: str, seq_len: int, device, dtype) -> None:
     """torch.profiler over two MoE-only steps: the kernels each side spends its time in."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     moe_step_time(model, cfg, seq_len, 1, device, dtype)  # warm-up, compiles, allocator
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:

@@ -112,7 +112,8 @@ def expert_adapters(moe_dir, tmp_path_factory):
     """PEFT target_parameters adapters (all experts' gate_up and down, + attention and
     router; down only) and a per-expert-keys adapter with its merged-weights model."""
     root = tmp_path_factory.mktemp("expert-adapters")
-    fused = make_peft_adapter(moe_dir, root / "fused", seed=11, r=4, lora_alpha=8, target_modules=["q_proj", "gate"],
+    fused = make_peft_adapter(moe_dir, root / "fused", seed=11, r=4, lora_alpha=8,
+                              target_modules=["q_proj", "gate"],
                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     down = make_peft_adapter(moe_dir, root / "down", seed=12, r=2, lora_alpha=2, use_rslora=True,
                              target_modules=[], target_parameters=["mlp.experts.down_proj"])

@@ -52,7 +52,8 @@ def test_moe_align(t, e, k, bm, monkeypatch):
     check_alignment(moe_align.align_lora(ids.to(DEVICE), slots.to(DEVICE), e, 3, bm), keys, 3 * e)
     # Slot 1's adapter adapts no expert here: its tokens are left out too.
     mask = torch.tensor([1, 0, 1], dtype=torch.int32)
-    keys = torch.where((slots[:t, None] >= 0) & (slots[:t, None] != 1), slots[:t, None] * e + ids, -1).flatten()
+    adapted = (slots[:t, None] >= 0) & (slots[:t, None] != 1)
+    keys = torch.where(adapted, slots[:t, None] * e + ids, -1).flatten()
     check_alignment(moe_align.align_lora(ids.to(DEVICE), slots.to(DEVICE), e, 3, bm, mask.to(DEVICE)),
                     keys, 3 * e)
 
@@ -198,27 +199,29 @@ def test_route_experts(t, e, k, renorm):
 @pytest.mark.parametrize("p, width", [(13, 40), (9, 1100)])  # width past one column block
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_weighted_forward_backward(p, width, dtype):
-    """The MoE training activation kernel against its oracle, forward and backward (every
-    output written: the outputs start as NaN)."""
+    """The MoE training activation kernel against its oracle, forward and backward: rows
+    read their routing weight through `order` and the weight's gradient lands back there."""
     import loraplex.ops.triton as kernel
     from loraplex.ops.reference import train_moe as ref
 
     gen = torch.Generator().manual_seed(p + width)
     rnd = lambda *s: (torch.randn(*s, generator=gen) * 2).to(DEVICE, dtype)  # noqa: E731
     gate_up, w, g = rnd(p, 2 * width), rnd(p).abs(), rnd(p, width)
+    order = torch.randperm(p, generator=gen).to(DEVICE)
     tol = REL_TOL[dtype]
-    h = kernel.silu_mul_weighted(gate_up, w)
-    assert not h.isnan().any()
-    torch.testing.assert_close(h.float(), ref.silu_mul_weighted(gate_up, w).float(), rtol=tol, atol=tol)
-    d_gu, d_w = kernel.silu_mul_weighted_backward(g, gate_up, w)
-    r_gu, r_w = ref.silu_mul_weighted_backward(g, gate_up, w)
-    assert d_w.dtype == torch.float32 and not d_gu.isnan().any()
+    h = kernel.silu_mul_weighted(gate_up, w, order)
+    want = ref.silu_mul_weighted(gate_up, w, order)
+    torch.testing.assert_close(h.float(), want.float(), rtol=tol, atol=tol)
+    d_gu, d_w = kernel.silu_mul_weighted_backward(g, gate_up, w, order)
+    r_gu, r_w = ref.silu_mul_weighted_backward(g, gate_up, w, order)
+    assert d_w.dtype == w.dtype and not d_gu.isnan().any()
     torch.testing.assert_close(d_gu.float(), r_gu.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(d_w, r_w, rtol=tol, atol=tol * r_w.abs().max().item())
+    torch.testing.assert_close(d_w.float(), r_w.float(), rtol=tol, atol=tol * r_w.abs().max().item())
     # the oracle's backward is autograd's of its forward (float32)
     x, wx = gate_up.float().cpu().requires_grad_(), w.float().cpu().requires_grad_()
-    ref.silu_mul_weighted(x, wx).backward(g.float().cpu())
-    r_gu32, r_w32 = ref.silu_mul_weighted_backward(g.float().cpu(), gate_up.float().cpu(), w.float().cpu())
+    ref.silu_mul_weighted(x, wx, order.cpu()).backward(g.float().cpu())
+    r_gu32, r_w32 = ref.silu_mul_weighted_backward(g.float().cpu(), gate_up.float().cpu(), w.float().cpu(),
+                                                   order.cpu())
     torch.testing.assert_close(r_gu32, x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_w32, wx.grad, rtol=1e-5, atol=1e-4)
 
@@ -264,6 +267,6 @@ def test_grouped_lora_add(counts, n_cols, rank, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 4)
     start = 0
     for i, end in enumerate(ends.tolist()):  # the oracle against a plain product
-        torch.testing.assert_close(want[start:end].float(), (y0[start:end].float() + 0.5 * xa[start:end].float()
-                                   @ b[i].float()), rtol=tol, atol=tol * 4)
+        plain = y0[start:end].float() + 0.5 * xa[start:end].float() @ b[i].float()
+        torch.testing.assert_close(want[start:end].float(), plain, rtol=tol, atol=tol * 4)
         start = end

@@ -118,11 +118,37 @@ def outer(a: torch.Tensor, b: torch.Tensor, groups: Groups, backend: str) -> tor
     return out
 
 
-class ExpertProjection(torch.autograd.Function):
-    """y = x w_e + scale (x a_e) b_e per row block e, x's rows gathered by `pairs` if given.
+def project(xs, w, a, b, scale: float, groups: Groups, backend: str):
+    """y = xs w_e + scale (xs a_e) b_e per row block e -> (y, xs a): the expand added
+    into the base GEMM's output in place (ops.grouped_lora_add; one kernel on a GPU)."""
+    y = gmm(xs, w, groups, backend)
+    xa = None
+    if a is not None:
+        xa = gmm(xs, a, groups, backend)
+        ops.backend_for(y.device).grouped_lora_add(y, xa, b, groups.offsets, scale)
+    return y, xa
 
-    The rank-r expand adds into the base GEMM's output in place (ops.grouped_lora_add;
-    one kernel on a GPU), forward and in the input gradient.
+
+def project_backward(g, xs, w, a, b, xa, scale: float, groups: Groups, backend: str,
+                     need_x: bool = True, need_a: bool = True, need_b: bool = True):
+    """Gradients of `project` for the output gradient g: (g xs, g a, g b), None where not
+    needed; never one for w. xs may be a callable that returns it (regathered on demand)."""
+    gx = ga = gb = gxa = None
+    if a is not None:
+        gxa = gmm(g, b.transpose(1, 2), groups, backend).mul_(scale)  # [N, r]
+        if need_b:
+            gb = outer(xa, g, groups, backend).mul_(scale)
+        if need_a:
+            ga = outer(xs() if callable(xs) else xs, gxa, groups, backend)
+    if need_x:
+        gx = gmm(g, w.transpose(1, 2), groups, backend)
+        if gxa is not None:
+            ops.backend_for(gx.device).grouped_lora_add(gx, gxa, a.transpose(1, 2), groups.offsets, 1.0)
+    return gx, ga, gb
+
+
+class ExpertProjection(torch.autograd.Function):
+    """`project` as an autograd function, x's rows gathered by `pairs` if given.
 
     x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen; a
     [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only). Gradients:
@@ -134,12 +160,7 @@ class ExpertProjection(torch.autograd.Function):
     def forward(ctx, x, w, a, b, scale: float, groups: Groups, backend: str,
                 pairs: SortedPairs | None = None):
         ctx.pairs = pairs
-        xs = x if pairs is None else x[pairs.tokens]
-        y = gmm(xs, w, groups, backend)
-        xa = None
-        if a is not None:
-            xa = gmm(xs, a, groups, backend)
-            ops.backend_for(y.device).grouped_lora_add(y, xa, b, groups.offsets, scale)
+        y, xa = project(x if pairs is None else x[pairs.tokens], w, a, b, scale, groups, backend)
         ctx.save_for_backward(x, w, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
         return y
@@ -147,22 +168,56 @@ class ExpertProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w, a, b, xa = ctx.saved_tensors
-        s, groups, backend, pairs = ctx.scale, ctx.groups, ctx.backend, ctx.pairs
-        g = g.contiguous()  # e.g. the expanded gradient of a sum
-        gx = ga = gb = gxa = None
-        if a is not None:
-            gxa = gmm(g, b.transpose(1, 2), groups, backend).mul_(s)  # [N, r]
-            if ctx.needs_input_grad[3]:
-                gb = outer(xa, g, groups, backend).mul_(s)
-            if ctx.needs_input_grad[2]:
-                ga = outer(x if pairs is None else x[pairs.tokens], gxa, groups, backend)
-        if ctx.needs_input_grad[0]:
-            gx = gmm(g, w.transpose(1, 2), groups, backend)
-            if gxa is not None:
-                ops.backend_for(gx.device).grouped_lora_add(gx, gxa, a.transpose(1, 2), groups.offsets, 1.0)
-            if pairs is not None:  # each token's rows summed back onto it
-                gx = sum_by_token(gx, pairs)
+        pairs = ctx.pairs
+        need = ctx.needs_input_grad
+        gx, ga, gb = project_backward(g.contiguous(), (lambda: x[pairs.tokens]) if pairs else x, w, a, b, xa,
+                                      ctx.scale, ctx.groups, ctx.backend, need[0], need[2], need[3])
+        if gx is not None and pairs is not None:  # each token's rows summed back onto it
+            gx = sum_by_token(gx, pairs)
         return gx, None, ga, gb, None, None, None, None
+
+
+class GatedExperts(torch.autograd.Function):
+    """A SwiGLU experts module (Qwen3-MoE, Mixtral) with LoRA on both projections, whole,
+    as one autograd node:
+
+        out[t] = sum_j (silu(gate) * up * weight)(x[t] W_gu,e + s (x[t] A_gu,e) B_gu,e) W_d,e + ...
+
+    over token t's top_k experts e. The same kernels as ExpertProjection x 2 + the fused
+    activation + the sum onto tokens, but one node instead of ~15 (casts, gathers, index
+    backward of the routing weights): at 1K tokens the step is bound by the host's
+    per-op cost, not the GPU. LoRA factors come in as their float32 parameters (cast here,
+    gradients returned in float32); routing weights [T, top_k] are read through the
+    pairs' order inside the activation kernels (no gather, no scatter-add backward)."""
+
+    @staticmethod
+    def forward(ctx, x, top_k_weights, w_gu, a_gu, b_gu, w_d, a_d, b_d, scale: float,
+                pairs: SortedPairs, backend: str):
+        kern, groups = ops.backend_for(x.device), pairs.groups
+        lora = [t.to(x.dtype) for t in (a_gu, b_gu, a_d, b_d)]
+        weights = top_k_weights.reshape(-1).contiguous()
+        gate_up, xa_gu = project(x[pairs.tokens], w_gu, lora[0], lora[1], scale, groups, backend)
+        h = kern.silu_mul_weighted(gate_up, weights, pairs.order)
+        y, xa_d = project(h, w_d, lora[2], lora[3], scale, groups, backend)
+        ctx.save_for_backward(x, weights, w_gu, w_d, gate_up, h, xa_gu, xa_d, *lora)
+        ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
+        return kern.sum_rows_by_token(y, pairs.inv, pairs.top_k)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weights, w_gu, w_d, gate_up, h, xa_gu, xa_d, a_gu, b_gu, a_d, b_d = ctx.saved_tensors
+        s, pairs, backend, need = ctx.scale, ctx.pairs, ctx.backend, ctx.needs_input_grad
+        kern, groups = ops.backend_for(g.device), pairs.groups
+        g_rows = g.contiguous()[pairs.tokens]  # each row gets its token's gradient
+        gh, ga_d, gb_d = project_backward(g_rows, h, w_d, a_d, b_d, xa_d, s, groups, backend,
+                                          need_a=need[6], need_b=need[7])
+        d_gate_up, d_weights = kern.silu_mul_weighted_backward(gh, gate_up, weights, pairs.order)
+        gxs, ga_gu, gb_gu = project_backward(d_gate_up, lambda: x[pairs.tokens], w_gu, a_gu, b_gu, xa_gu, s,
+                                             groups, backend, need[0], need[3], need[4])
+        gx = kern.sum_rows_by_token(gxs, pairs.inv, pairs.top_k) if gxs is not None else None
+        ga_gu, gb_gu, ga_d, gb_d = (t if t is None else t.float() for t in (ga_gu, gb_gu, ga_d, gb_d))
+        d_weights = d_weights.view(g.shape[0], -1) if need[1] else None
+        return gx, d_weights, None, ga_gu, gb_gu, None, ga_d, gb_d, None, None, None
 
 
 @dataclass
@@ -188,8 +243,7 @@ def sort_pairs(top_k_index: torch.Tensor, num_experts: int) -> SortedPairs:
     experts = flat[order]
     ids = torch.arange(max(order.numel(), num_experts), device=order.device)
     ends = torch.searchsorted(experts, ids[:num_experts].to(experts.dtype), right=True)
-    inv = torch.empty_like(order)
-    inv[order] = ids[:order.numel()]
+    inv = torch.empty_like(order).scatter_(0, order, ids[:order.numel()])
     top_k = top_k_index.shape[1]
     return SortedPairs(order, order // top_k, experts, inv, top_k, Groups(ends.to(torch.int32)))
 
@@ -202,25 +256,6 @@ def sum_by_token(rows: torch.Tensor, pairs: SortedPairs) -> torch.Tensor:
     and a sum ~0.5 ms, and the sum is one rounding in float32, in a fixed order. On a GPU
     one Triton kernel gathers and sums without writing the gathered copy."""
     return ops.backend_for(rows.device).sum_rows_by_token(rows.contiguous(), pairs.inv, pairs.top_k)
-
-
-class SiluMulWeighted(torch.autograd.Function):
-    """h = silu(gate) * up * weight for expert rows gate_up [P, 2I] and their routing
-    weights [P]: one kernel forward and one backward on a GPU (the eager chain is eight
-    passes over [P, I] and a cat), saving only gate_up and the weights."""
-
-    @staticmethod
-    def forward(ctx, gate_up, weight):
-        gate_up, weight = gate_up.contiguous(), weight.contiguous()
-        ctx.save_for_backward(gate_up, weight)
-        return ops.backend_for(gate_up.device).silu_mul_weighted(gate_up, weight)
-
-    @staticmethod
-    def backward(ctx, g):
-        gate_up, weight = ctx.saved_tensors
-        d_gate_up, d_weight = ops.backend_for(g.device).silu_mul_weighted_backward(
-            g.contiguous(), gate_up, weight)
-        return d_gate_up, d_weight.to(weight.dtype)
 
 
 class CombineByToken(torch.autograd.Function):

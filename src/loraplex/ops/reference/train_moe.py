@@ -7,20 +7,24 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """gate_up [P, 2I] (gate | up), weight [P] -> silu(gate) * up * weight [P, I]."""
+def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """gate_up [P, 2I] (gate | up) of expert-sorted rows, weight [P] in flat pair order,
+    order [P] (row i is flat pair order[i]) -> silu(gate) * up * weight[order] [P, I]."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up * weight.float()[:, None]).to(gate_up.dtype)
+    return (F.silu(gate) * up * weight.float()[order][:, None]).to(gate_up.dtype)
 
 
-def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor):
-    """-> (d gate_up [P, 2I] in gate_up's dtype, d weight [P] float32)."""
+def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
+                               order: torch.Tensor):
+    """-> (d gate_up [P, 2I] in gate_up's dtype, d weight [P] in flat pair order and
+    weight's dtype)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     sig = torch.sigmoid(gate)
     silu = gate * sig
     g = grad.float()
-    d_weight = (g * silu * up).sum(-1)
-    g = g * weight.float()[:, None]
+    d_weight = torch.empty_like(weight)
+    d_weight[order] = (g * silu * up).sum(-1).to(weight.dtype)
+    g = g * weight.float()[order][:, None]
     d_gate = g * up * sig * (1 + gate * (1 - sig))
     return torch.cat([d_gate, g * silu], dim=-1).to(gate_up.dtype), d_weight
 

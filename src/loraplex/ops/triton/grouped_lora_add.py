@@ -56,7 +56,8 @@ def _grouped_lora_add_kernel(
         in_seg = (rows >= seg_start) & (rows < seg_end)
         x = tl.load(xa_ptr + rows64[:, None] * stride_xm + offs_r[None, :] * stride_xr,
                     mask=in_seg[:, None] & r_ok[None, :], other=0.0)
-        w = tl.load(b_ptr + e.to(tl.int64) * stride_be + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
+        b_e = b_ptr + e.to(tl.int64) * stride_be
+        w = tl.load(b_e + offs_r[:, None] * stride_br + cols[None, :] * stride_bn,
                     mask=r_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:
             x, w = x.to(tl.float32), w.to(tl.float32)

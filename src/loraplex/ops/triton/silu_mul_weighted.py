@@ -1,5 +1,9 @@
 """MoE training: silu(gate) * up * routing weight, forward and backward, one pass each.
 
+Row i of the expert-sorted rows is flat pair order[i] (token * top_k + j): its weight is
+weight[order[i]], and the weight's gradient goes back to that position (a permutation:
+no two rows share one), so the router's [T, top_k] weights need no gather or scatter op.
+
 The expert rows of a step are [P, 2I] (P = tokens x top_k: 131K rows at 16K tokens on
 Qwen3-30B-A3B). Eager torch runs this as silu, mul, mul forward and five kernels plus a
 cat backward, each a full pass over [P, I]; these read gate_up (and the gradient) once
@@ -17,11 +21,12 @@ ROWS = 8  # rows per program; columns in blocks of up to 1024, looped
 
 
 @triton.jit
-def _forward_kernel(gu_ptr, w_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
+def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         m = row_ok[:, None] & (cols < width)[None, :]
@@ -33,11 +38,12 @@ def _forward_kernel(gu_ptr, w_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
 
 
 @triton.jit
-def _backward_kernel(g_ptr, gu_ptr, w_ptr, dgu_ptr, dw_ptr, n_rows, width, stride_g, stride_gu,
+def _backward_kernel(g_ptr, gu_ptr, w_ptr, order_ptr, dgu_ptr, dw_ptr, n_rows, width, stride_g, stride_gu,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
-    w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([ROWS], dtype=tl.float32)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -53,7 +59,7 @@ def _backward_kernel(g_ptr, gu_ptr, w_ptr, dgu_ptr, dw_ptr, n_rows, width, strid
         d_gate = gw * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(dgu_ptr + at, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
         tl.store(dgu_ptr + at + width, (gw * silu).to(dgu_ptr.dtype.element_ty), mask=m)
-    tl.store(dw_ptr + rows, dw, mask=row_ok)
+    tl.store(dw_ptr + pair, dw.to(dw_ptr.dtype.element_ty), mask=row_ok)
 
 
 def _block(width: int) -> int:
@@ -65,21 +71,22 @@ def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
-def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
-    assert gate_up.stride(1) == 1 and weight.is_contiguous()
+    assert gate_up.stride(1) == 1 and weight.is_contiguous() and order.is_contiguous()
     out = gate_up.new_empty(n, width)
-    _forward_kernel[(triton.cdiv(n, ROWS),)](gate_up, weight, out, n, width, gate_up.stride(0), out.stride(0),
-                                             ROWS=ROWS, BLOCK=_block(width), num_warps=4)
+    _forward_kernel[(triton.cdiv(n, ROWS),)](gate_up, weight, order, out, n, width, gate_up.stride(0),
+                                             out.stride(0), ROWS=ROWS, BLOCK=_block(width), num_warps=4)
     return out
 
 
-def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor):
+def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
+                               order: torch.Tensor):
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
-    assert gate_up.stride(1) == 1 and grad.stride(1) == 1 and weight.is_contiguous()
+    assert gate_up.stride(1) == 1 and grad.stride(1) == 1 and weight.is_contiguous() and order.is_contiguous()
     d_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-    d_weight = torch.empty(n, dtype=torch.float32, device=gate_up.device)
-    _backward_kernel[(triton.cdiv(n, ROWS),)](grad, gate_up, weight, d_gate_up, d_weight, n, width,
+    d_weight = torch.empty_like(weight)
+    _backward_kernel[(triton.cdiv(n, ROWS),)](grad, gate_up, weight, order, d_gate_up, d_weight, n, width,
                                               grad.stride(0), gate_up.stride(0),
                                               ROWS=ROWS, BLOCK=_block(width), num_warps=4)
     return d_gate_up, d_weight
