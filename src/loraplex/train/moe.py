@@ -199,21 +199,29 @@ class GatedExperts(torch.autograd.Function):
         gate_up, xa_gu = project(x[pairs.tokens], w_gu, lora[0], lora[1], scale, groups, backend)
         h = kern.silu_mul_weighted(gate_up, weights, pairs.order)
         y, xa_d = project(h, w_d, lora[2], lora[3], scale, groups, backend)
-        ctx.save_for_backward(x, weights, w_gu, w_d, gate_up, h, xa_gu, xa_d, *lora)
+        ctx.save_for_backward(x, weights, w_gu, w_d, *lora)
+        # intermediates as attributes, so backward can drop each one once used (saved
+        # tensors would live until it returns: +1.3 GB at 16K tokens on Qwen3-30B-A3B)
+        ctx.acts = [gate_up, h, xa_gu, xa_d]
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
         return kern.sum_rows_by_token(y, pairs.inv, pairs.top_k)
 
     @staticmethod
     def backward(ctx, g):
-        x, weights, w_gu, w_d, gate_up, h, xa_gu, xa_d, a_gu, b_gu, a_d, b_d = ctx.saved_tensors
+        x, weights, w_gu, w_d, a_gu, b_gu, a_d, b_d = ctx.saved_tensors
+        gate_up, h, xa_gu, xa_d = ctx.acts
+        del ctx.acts
         s, pairs, backend, need = ctx.scale, ctx.pairs, ctx.backend, ctx.needs_input_grad
         kern, groups = ops.backend_for(g.device), pairs.groups
         g_rows = g.contiguous()[pairs.tokens]  # each row gets its token's gradient
         gh, ga_d, gb_d = project_backward(g_rows, h, w_d, a_d, b_d, xa_d, s, groups, backend,
                                           need_a=need[6], need_b=need[7])
+        del g_rows, h, xa_d
         d_gate_up, d_weights = kern.silu_mul_weighted_backward(gh, gate_up, weights, pairs.order)
+        del gh, gate_up
         gxs, ga_gu, gb_gu = project_backward(d_gate_up, lambda: x[pairs.tokens], w_gu, a_gu, b_gu, xa_gu, s,
                                              groups, backend, need[0], need[3], need[4])
+        del d_gate_up
         gx = kern.sum_rows_by_token(gxs, pairs.inv, pairs.top_k) if gxs is not None else None
         ga_gu, gb_gu, ga_d, gb_d = (t if t is None else t.float() for t in (ga_gu, gb_gu, ga_d, gb_d))
         d_weights = d_weights.view(g.shape[0], -1) if need[1] else None
