@@ -111,6 +111,26 @@ def test_slow_slot_copies_change_no_output(llm, tmp_path, monkeypatch):
         assert _tokens(together) == _tokens(alone)
 
 
+def test_loads_past_the_pinned_pool_read_pageable_memory(model_dirs, tmp_path):
+    """A host tier whose byte budget holds one pool buffer: on a GPU most loads find the
+    pool spent and read into pageable memory (nothing page-locked while serving); their
+    slot copies are synchronous then, and every output still equals the adapter alone."""
+    llm = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8, max_cpu_loras=1,
+                   max_cpu_lora_bytes=3 << 20)
+    loras = [LoRARequest(f"p{i}", 700 + i, str(_adapter(llm, tmp_path / f"p{i}", i))) for i in range(6)]
+    per_prompt = loras + [None, loras[0]]
+    prompts = random_prompts(len(per_prompt), (4, 12), seed=9)
+    together = llm.generate(prompts, SP, per_prompt)
+    pool = llm.engine.adapters.pool
+    if pool is not None:  # CUDA: loads past the pool's one buffer, read into pageable memory
+        assert pool.misses > 0
+    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    for a, b, p in zip(together, alone, prompts):
+        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
+    if DTYPE == "float32":
+        assert _tokens(together) == _tokens(alone)
+
+
 def test_identical_content_shares_one_copy(llm, tmp_path):
     src = _adapter(llm, tmp_path / "src", 3)
     copy = shutil.copytree(src, tmp_path / "copy")

@@ -10,7 +10,7 @@ each buffer, or the region, up to a power of two). A buffer comes back when its 
 leaves host memory, and is handed out again only after the last GPU copy from it has
 finished (an event recorded by the runner). An adapter that finds the pool empty (more
 referenced adapters than host slots, or more host slots than MAX_BYTES holds) or too
-small (a float32 file) allocates its own.
+small (a float32 file) is read into pageable memory (never page-locked while serving).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class PinnedPool:
         self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [
             (self.region[i * stride : (i + 1) * stride], None) for i in range(count)]
         self._lock = threading.Lock()
-        self.misses = 0  # takes that found no buffer (the load then page-locks its own)
+        self.misses = 0  # takes that found no buffer (the load then reads into pageable memory)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of >= nbytes (None if the pool is spent or nbytes is too big: the

@@ -223,11 +223,11 @@ class Staging:
 
     def copy_from_file(self, dsts: list[torch.Tensor], file: Mapping[str, torch.Tensor], names: list[str],
                        scales: list[float]) -> None:
-        """copy() from the tensors `names` of `file`: for a page-locked TensorFile the
-        byte offsets come from its header (no tensor view is made)."""
+        """copy() from the tensors `names` of `file`: for a TensorFile the byte offsets
+        come from its header (no tensor view is made). From pageable memory (a load that
+        found the pinned pool spent) the one host-to-device copy is synchronous."""
         entries = [file.entries[n] for n in names] if isinstance(file, TensorFile) else None
         if (not BATCHED_COPIES or not dsts or dsts[0].device.type != "cuda" or entries is None
-                or not file.buffer.is_pinned()
                 or any(e.dtype != dsts[0].dtype or e.begin % e.dtype.itemsize for e in entries)):
             self.copy(dsts, [file[n] for n in names], scales)
             return
