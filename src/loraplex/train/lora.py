@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraplex.train.moe import CombineByToken, ExpertProjection, GatedExperts, SortedPairs, sort_pairs
+from loraplex.train.moe import CombineByToken, ExpertProjection, GatedDown, SortedPairs, sort_pairs
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -64,7 +64,8 @@ def is_experts(module: nn.Module) -> bool:
 
 def _is_silu_gate(experts: nn.Module) -> bool:
     """transformers' default gate (gate, up = chunk(2); act(gate) * up) with SiLU: Qwen3-MoE,
-    Mixtral. Those run as one GatedExperts node; any other gate runs as transformers does."""
+    Mixtral. Those run activation, down projection and sum as one GatedDown node; any other
+    gate runs as transformers does."""
     gate = getattr(type(experts), "_apply_gate", None)
     act = getattr(experts, "act_fn", None)
     return (getattr(gate, "__name__", "") == "_default_apply_gate"
@@ -100,20 +101,19 @@ class LoRAExperts(nn.Module):
         return w, getattr(self, f"{param}_A").transpose(1, 2), getattr(self, f"{param}_B").transpose(1, 2)
 
     def _project(self, x, param: str, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
-        w, a, b = self._factors(param)
-        y = ExpertProjection.apply(x, w, a.to(x.dtype), b.to(x.dtype), self.scale, pairs.groups, self.backend,
+        y = ExpertProjection.apply(x, *self._factors(param), self.scale, pairs.groups, self.backend,
                                    pairs if gather else None)
         bias = getattr(self.base_layer, f"{param}_bias", None)
         return y if bias is None else y + bias[pairs.experts]
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         pairs = sort_pairs(top_k_index, self.num_experts)
-        if self.silu_gate and getattr(self.base_layer, "down_proj_bias", None) is None:
-            return GatedExperts.apply(hidden_states, top_k_weights, *self._factors("gate_up_proj"),
-                                      *self._factors("down_proj"), self.scale, pairs, self.backend)
-        # gpt-oss (clamped gate, biases; the bias is weighted too, as transformers does):
         # gate/up gathers the routed rows itself (sorted by expert) and keeps only the input
         gate_up = self._project(hidden_states, "gate_up_proj", pairs, gather=True)
+        if self.silu_gate and getattr(self.base_layer, "down_proj_bias", None) is None:
+            return GatedDown.apply(gate_up, top_k_weights, *self._factors("down_proj"), self.scale, pairs,
+                                   self.backend)
+        # gpt-oss (clamped gate, biases; the bias is weighted too, as transformers does)
         weights = top_k_weights.reshape(-1)[pairs.order].to(gate_up.dtype)
         y = self._project(self.base_layer._apply_gate(gate_up), "down_proj", pairs) * weights[:, None]
         return CombineByToken.apply(y, pairs)

@@ -151,7 +151,8 @@ class ExpertProjection(torch.autograd.Function):
     """`project` as an autograd function, x's rows gathered by `pairs` if given.
 
     x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen; a
-    [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only). Gradients:
+    [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only), in any
+    dtype: cast to x's here, their gradients returned in theirs (no cast nodes). Gradients:
     x, a, b; never w. With pairs, backward keeps x, not the gathered [N, K] copy (top_k
     times larger: 0.5 GB per layer at 16K tokens on Qwen3-30B-A3B's shapes), and gathers
     again when A's gradient needs it."""
@@ -159,7 +160,8 @@ class ExpertProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, a, b, scale: float, groups: Groups, backend: str,
                 pairs: SortedPairs | None = None):
-        ctx.pairs = pairs
+        ctx.pairs, ctx.dtypes = pairs, (None if a is None else (a.dtype, b.dtype))
+        a, b = (None, None) if a is None else (a.to(x.dtype), b.to(x.dtype))
         y, xa = project(x if pairs is None else x[pairs.tokens], w, a, b, scale, groups, backend)
         ctx.save_for_backward(x, w, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
@@ -174,58 +176,49 @@ class ExpertProjection(torch.autograd.Function):
                                       ctx.scale, ctx.groups, ctx.backend, need[0], need[2], need[3])
         if gx is not None and pairs is not None:  # each token's rows summed back onto it
             gx = sum_by_token(gx, pairs)
+        if ctx.dtypes is not None:
+            ga, gb = (t if t is None else t.to(d) for t, d in zip((ga, gb), ctx.dtypes))
         return gx, None, ga, gb, None, None, None, None
 
 
-class GatedExperts(torch.autograd.Function):
-    """A SwiGLU experts module (Qwen3-MoE, Mixtral) with LoRA on both projections, whole,
-    as one autograd node:
+class GatedDown(torch.autograd.Function):
+    """The rest of a SwiGLU experts module (Qwen3-MoE, Mixtral) after gate/up, as one
+    autograd node: silu(gate) * up * routing weight, the down projection with its LoRA,
+    and each token's rows summed back onto it.
 
-        out[t] = sum_j (silu(gate) * up * weight)(x[t] W_gu,e + s (x[t] A_gu,e) B_gu,e) W_d,e + ...
-
-    over token t's top_k experts e. The same kernels as ExpertProjection x 2 + the fused
-    activation + the sum onto tokens, but one node instead of ~15 (casts, gathers, index
-    backward of the routing weights): at 1K tokens the step is bound by the host's
-    per-op cost, not the GPU. LoRA factors come in as their float32 parameters (cast here,
-    gradients returned in float32); routing weights [T, top_k] are read through the
-    pairs' order inside the activation kernels (no gather, no scatter-add backward)."""
+    gate_up [P, 2I] sorted rows; top_k_weights [T, top_k] (read through the pairs' order
+    inside the activation kernels: no gather, no scatter-add backward); w [E, I, H]; a, b
+    the down projection's LoRA factors (any dtype, as ExpertProjection). One node where
+    eager autograd makes ~10 (casts, gather, index backward, activation, combine): at 1K
+    tokens a step is bound by the host's cost per op. Two nodes per layer (this and the
+    gate/up ExpertProjection) rather than one: autograd frees this node's activations
+    ([P, 3I]) before the gate/up backward runs, and checkpointing manages both."""
 
     @staticmethod
-    def forward(ctx, x, top_k_weights, w_gu, a_gu, b_gu, w_d, a_d, b_d, scale: float,
-                pairs: SortedPairs, backend: str):
-        kern, groups = ops.backend_for(x.device), pairs.groups
-        lora = [t.to(x.dtype) for t in (a_gu, b_gu, a_d, b_d)]
+    def forward(ctx, gate_up, top_k_weights, w, a, b, scale: float, pairs: SortedPairs, backend: str):
+        kern = ops.backend_for(gate_up.device)
+        ctx.dtypes = (a.dtype, b.dtype)
+        a, b = a.to(gate_up.dtype), b.to(gate_up.dtype)
         weights = top_k_weights.reshape(-1).contiguous()
-        gate_up, xa_gu = project(x[pairs.tokens], w_gu, lora[0], lora[1], scale, groups, backend)
         h = kern.silu_mul_weighted(gate_up, weights, pairs.order)
-        y, xa_d = project(h, w_d, lora[2], lora[3], scale, groups, backend)
-        ctx.save_for_backward(x, weights, w_gu, w_d, *lora)
-        # intermediates as attributes, so backward can drop each one once used (saved
-        # tensors would live until it returns: +1.3 GB at 16K tokens on Qwen3-30B-A3B)
-        ctx.acts = [gate_up, h, xa_gu, xa_d]
+        y, xa = project(h, w, a, b, scale, pairs.groups, backend)
+        ctx.save_for_backward(gate_up, weights, h, xa, w, a, b)
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
         return kern.sum_rows_by_token(y, pairs.inv, pairs.top_k)
 
     @staticmethod
     def backward(ctx, g):
-        x, weights, w_gu, w_d, a_gu, b_gu, a_d, b_d = ctx.saved_tensors
-        gate_up, h, xa_gu, xa_d = ctx.acts
-        del ctx.acts
-        s, pairs, backend, need = ctx.scale, ctx.pairs, ctx.backend, ctx.needs_input_grad
-        kern, groups = ops.backend_for(g.device), pairs.groups
+        gate_up, weights, h, xa, w, a, b = ctx.saved_tensors
+        pairs, need = ctx.pairs, ctx.needs_input_grad
         g_rows = g.contiguous()[pairs.tokens]  # each row gets its token's gradient
-        gh, ga_d, gb_d = project_backward(g_rows, h, w_d, a_d, b_d, xa_d, s, groups, backend,
-                                          need_a=need[6], need_b=need[7])
-        del g_rows, h, xa_d
-        d_gate_up, d_weights = kern.silu_mul_weighted_backward(gh, gate_up, weights, pairs.order)
-        del gh, gate_up
-        gxs, ga_gu, gb_gu = project_backward(d_gate_up, lambda: x[pairs.tokens], w_gu, a_gu, b_gu, xa_gu, s,
-                                             groups, backend, need[0], need[3], need[4])
-        del d_gate_up
-        gx = kern.sum_rows_by_token(gxs, pairs.inv, pairs.top_k) if gxs is not None else None
-        ga_gu, gb_gu, ga_d, gb_d = (t if t is None else t.float() for t in (ga_gu, gb_gu, ga_d, gb_d))
-        d_weights = d_weights.view(g.shape[0], -1) if need[1] else None
-        return gx, d_weights, None, ga_gu, gb_gu, None, ga_d, gb_d, None, None, None
+        gh, ga, gb = project_backward(g_rows, h, w, a, b, xa, ctx.scale, pairs.groups, ctx.backend,
+                                      need_a=need[3], need_b=need[4])
+        del g_rows
+        d_gate_up, d_weights = ops.backend_for(g.device).silu_mul_weighted_backward(
+            gh, gate_up, weights, pairs.order)
+        ga, gb = (t if t is None else t.to(d) for t, d in zip((ga, gb), ctx.dtypes))
+        return (d_gate_up, d_weights.view(g.shape[0], -1) if need[1] else None, None, ga, gb,
+                None, None, None)
 
 
 @dataclass
