@@ -1,6 +1,8 @@
 """Compile the hot Triton kernels for an H100/H200 (sm_90) without a GPU and count their
 global memory instructions by width. Run by test_codegen.py in a process without
 TRITON_INTERPRET (the interpreter replaces the compiler). Prints JSON: kernel -> counts.
+With the argument `shared`: attention kernel -> shared memory bytes per program, for the
+configs the wrappers pick (a config past the GPU's limit fails only at launch, on a GPU).
 
 Why: a mask or an offset whose alignment the compiler cannot prove (a bound loaded from
 memory, a runtime N) silently turns 16-byte vector accesses into 2-byte ones; the
@@ -13,6 +15,7 @@ import importlib
 import inspect
 import json
 import re
+import sys
 from collections import Counter
 
 import triton
@@ -27,7 +30,11 @@ def const(v):
 def compile_ptx(fn, args: dict, num_warps: int = 4) -> str:
     """args: parameter -> '*bf16'-style pointer type, int value (specialized as the launcher
     would: 1 becomes a constant, multiples of 16 carry the divisibility attribute unless
-    the parameter is in do_not_specialize) or const(value)."""
+    the parameter is in do_not_specialize), float, or const(value)."""
+    return compile_sm90(fn, args, num_warps).asm["ptx"]
+
+
+def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(inspect.signature(fn.fn).parameters):
         v = args[name]
@@ -35,6 +42,8 @@ def compile_ptx(fn, args: dict, num_warps: int = 4) -> str:
             sig[name], consts[name] = "constexpr", v[1]
         elif isinstance(v, str):
             sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
         elif v == 1:
             sig[name], consts[name] = "constexpr", 1
         else:
@@ -42,7 +51,8 @@ def compile_ptx(fn, args: dict, num_warps: int = 4) -> str:
             if v % 16 == 0 and name not in fn.do_not_specialize and i not in fn.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def widths(ptx: str) -> dict:
@@ -95,5 +105,37 @@ def kernels() -> dict:
     return {name: widths(ptx) for name, ptx in out.items()}
 
 
+def attention_shared_memory() -> dict:
+    """Shared memory of paged attention (prefill and decode tiles) and the split-KV decode
+    kernel, per (dtype, head_dim) where the configs change: rows of 512 bytes (bf16 at
+    256, float32 at 128) and over (float32 at 256, Gemma 3 in float32)."""
+    pa = importlib.import_module("loraplex.ops.triton.paged_attention")
+    pd = importlib.import_module("loraplex.ops.triton.paged_decode")
+    out, group, page = {}, 4, 16
+    for dtype, size, d in (("bf16", 2, 256), ("fp32", 4, 128), ("fp32", 4, 256)):
+        ptr = f"*{dtype}"
+        prec = dict(DOT_PRECISION=const("ieee" if dtype == "fp32" else "tf32"), UPCAST=const(False))
+        cache = dict(stride_kb=page * 2 * d, stride_ks=2 * d, stride_kh=d, stride_kd=1,
+                     stride_vb=page * 2 * d, stride_vs=2 * d, stride_vh=d, stride_vd=1)
+        common = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+                      seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale=0.1, window=0, stride_qt=d * 32, stride_qh=d,
+                      stride_qd=1, stride_bt=32, GROUP=const(group), HEAD_DIM=const(d), BLOCK_D=const(d),
+                      PAGE=const(page), USE_WINDOW=const(False), **cache, **prec)
+        for kind, q_len in (("prefill", 2), ("decode", 1)):
+            cfg = pa.attention_config(q_len, group, d * size)
+            args = dict(out_ptr=ptr, sinks_ptr=ptr, stride_ot=d * 32, stride_oh=d, stride_od=1,
+                        BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]), USE_SINKS=const(True),
+                        **common)
+            out[f"attention {kind} {dtype} d{d}"] = compile_sm90(
+                pa._paged_attention_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
+        cfg = pd.decode_config(group)
+        args = dict(acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", splits=4, num_heads=32,
+                    BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
+                    PARTITION=const(pd.PARTITION_SIZE), **common)
+        out[f"split decode {dtype} d{d}"] = compile_sm90(
+            pd._decode_split_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(kernels()))
+    print(json.dumps(attention_shared_memory() if sys.argv[1:] == ["shared"] else kernels()))

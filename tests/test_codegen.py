@@ -13,14 +13,31 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
-def counts() -> dict:
+def _compiled(*args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("sm90_codegen.py")
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    return _compiled()
+
+
+H100_SHARED_BYTES = 232_448  # per program (227 KiB), H100 and H200
+
+
+def test_attention_tiles_fit_in_shared_memory():
+    """Every (dtype, head_dim) regime of paged attention compiles to tiles an H100/H200
+    can hold. (float32 at head_dim 256, Gemma 3's shape, once needed 295,424 bytes: on a
+    GPU that fails only at the first launch.)"""
+    shared = _compiled("shared")
+    assert len(shared) == 9
+    assert all(0 < b <= H100_SHARED_BYTES for b in shared.values()), shared
 
 
 @pytest.mark.parametrize("kernel", ["lora_expand_gemv", "lora_expand_sgmv", "moe_gemm_gate_up",
