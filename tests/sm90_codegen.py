@@ -118,9 +118,10 @@ def attention_shared_memory() -> dict:
         cache = dict(stride_kb=page * 2 * d, stride_ks=2 * d, stride_kh=d, stride_kd=1,
                      stride_vb=page * 2 * d, stride_vs=2 * d, stride_vh=d, stride_vd=1)
         common = dict(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
-                      seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale=0.1, window=0, stride_qt=d * 32, stride_qh=d,
-                      stride_qd=1, stride_bt=32, GROUP=const(group), HEAD_DIM=const(d), BLOCK_D=const(d),
-                      PAGE=const(page), USE_WINDOW=const(False), **cache, **prec)
+                      seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale=0.1, window=0,
+                      stride_qt=d * 32, stride_qh=d, stride_qd=1, stride_bt=32, GROUP=const(group),
+                      HEAD_DIM=const(d), BLOCK_D=const(d), PAGE=const(page), USE_WINDOW=const(False),
+                      **cache, **prec)
         for kind, q_len in (("prefill", 2), ("decode", 1)):
             cfg = pa.attention_config(q_len, group, d * size)
             args = dict(out_ptr=ptr, sinks_ptr=ptr, stride_ot=d * 32, stride_oh=d, stride_od=1,
