@@ -21,18 +21,33 @@ ROWS = 8  # rows per program; columns in blocks of up to 1024, looped
 
 
 @triton.jit
-def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_block(order_ptr, w_ptr, n_rows, ROWS: tl.constexpr):
+    """This program's rows, their mask, their flat pair index and routing weight."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
     w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    return rows, row_ok, pair, w
+
+
+@triton.jit
+def _gate_up_tile(gu_ptr, rows, row_ok, start, width, stride_gu, BLOCK: tl.constexpr):
+    """Columns [start, start + BLOCK) of gate and up for the rows, in float32, with the
+    tile's mask and its offsets in gate_up (up sits `width` further on)."""
+    cols = start + tl.arange(0, BLOCK)
+    m = row_ok[:, None] & (cols < width)[None, :]
+    at = rows[:, None] * stride_gu + cols[None, :]
+    gate = tl.load(gu_ptr + at, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + at + width, mask=m, other=0.0).to(tl.float32)
+    return cols, m, at, gate, up
+
+
+@triton.jit
+def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, row_ok, pair, w = _row_block(order_ptr, w_ptr, n_rows, ROWS)
     for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = row_ok[:, None] & (cols < width)[None, :]
-        at = rows[:, None] * stride_gu + cols[None, :]
-        gate = tl.load(gu_ptr + at, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + at + width, mask=m, other=0.0).to(tl.float32)
+        cols, m, at, gate, up = _gate_up_tile(gu_ptr, rows, row_ok, start, width, stride_gu, BLOCK)
         h = gate / (1.0 + tl.exp(-gate)) * up * w[:, None]
         tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -40,17 +55,10 @@ def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu,
 @triton.jit
 def _backward_kernel(g_ptr, gu_ptr, w_ptr, order_ptr, dgu_ptr, dw_ptr, n_rows, width, stride_g, stride_gu,
                      ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    rows, row_ok, pair, w = _row_block(order_ptr, w_ptr, n_rows, ROWS)
     dw = tl.zeros([ROWS], dtype=tl.float32)
     for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        m = row_ok[:, None] & (cols < width)[None, :]
-        at = rows[:, None] * stride_gu + cols[None, :]
-        gate = tl.load(gu_ptr + at, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + at + width, mask=m, other=0.0).to(tl.float32)
+        cols, m, at, gate, up = _gate_up_tile(gu_ptr, rows, row_ok, start, width, stride_gu, BLOCK)
         g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=m, other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-gate))
         silu = gate * sig
