@@ -65,15 +65,7 @@ def test_hundreds_of_adapters_through_four_slots(llm, tmp_path):
     assert stats["adapter_host_evictions"] - before["adapter_host_evictions"] > 150
     assert stats["adapter_slot_evictions"] - before["adapter_slot_evictions"] > 150
     assert stats["adapters_in_host"] <= 8 and stats["adapters_loading"] == 0
-    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
-    # Teacher-forced logprobs of every prompt token: equal up to rounding (these adapters
-    # move logits a lot, so bf16 gets the oracle tolerance); tokens too in float32.
-    for a, b, p in zip(together, alone, prompts):
-        da = torch.tensor([x[t].logprob for x, t in zip(a.prompt_logprobs[1:], p[1:])])
-        db = torch.tensor([x[t].logprob for x, t in zip(b.prompt_logprobs[1:], p[1:])])
-        assert (da - db).abs().max().item() <= tolerance()
-    if DTYPE == "float32":
-        assert _tokens(together) == _tokens(alone)
+    _assert_each_as_alone(llm, prompts, per_prompt, together)
     assert len({tuple(t) for t in _tokens(together)}) > 150, "adapters must change outputs"
     for out, lora in zip(together, per_prompt):
         m = out.metrics
@@ -104,11 +96,7 @@ def test_slow_slot_copies_change_no_output(llm, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "_load_slots", slow)
     together = llm.generate(prompts, SP, per_prompt)
     monkeypatch.undo()
-    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
-    for a, b, p in zip(together, alone, prompts):
-        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
-    if DTYPE == "float32":
-        assert _tokens(together) == _tokens(alone)
+    _assert_each_as_alone(llm, prompts, per_prompt, together)
 
 
 def test_loads_past_the_pinned_pool_read_pageable_memory(model_dirs, tmp_path):
@@ -124,11 +112,7 @@ def test_loads_past_the_pinned_pool_read_pageable_memory(model_dirs, tmp_path):
     pool = llm.engine.adapters.pool
     if pool is not None:  # CUDA: loads past the pool's one buffer, read into pageable memory
         assert pool.misses > 0
-    alone = [llm.generate([p], SP, lora)[0] for p, lora in zip(prompts, per_prompt)]
-    for a, b, p in zip(together, alone, prompts):
-        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
-    if DTYPE == "float32":
-        assert _tokens(together) == _tokens(alone)
+    _assert_each_as_alone(llm, prompts, per_prompt, together)
 
 
 def test_identical_content_shares_one_copy(llm, tmp_path):
@@ -284,20 +268,29 @@ def test_dora_and_mixed_adapters_in_one_batch(arch, model_dirs, adapter_dirs, tm
     n = 5
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=0)
     together = llm.generate(prompts, sp, per_prompt)
-    alone = [llm.generate([p], sp, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    _assert_each_as_alone(llm, prompts, per_prompt, together, sp)
     oracle = HFOracle(model, dora_dir)
-    for p, a, b in zip(prompts, together, alone):
-        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
     for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):  # the DoRA requests
         torch.testing.assert_close(_prompt_lps(out, p), oracle.prompt_logprobs(p), atol=tolerance(), rtol=0)
     if DTYPE == "float32":  # bf16 rounding may flip a near-tie, so tokens only in float32
-        assert _tokens(together) == _tokens(alone)
         for p, out in zip(prompts[:: len(loras)], together[:: len(loras)]):
             assert out.outputs[0].token_ids == oracle.greedy(p, n)
 
 
 def _prompt_lps(out, prompt) -> torch.Tensor:
     return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+
+def _assert_each_as_alone(llm, prompts, per_prompt, together, sp=SP) -> None:
+    """Each output of a batch equals that request served alone: teacher-forced logprobs
+    of every prompt token up to rounding (these adapters move logits a lot, so bf16 gets
+    the oracle tolerance), and the generated tokens too in float32 (bf16 rounding may
+    flip a near-tie)."""
+    alone = [llm.generate([p], sp, lora)[0] for p, lora in zip(prompts, per_prompt)]
+    for a, b, p in zip(together, alone, prompts):
+        assert (_prompt_lps(a, p) - _prompt_lps(b, p)).abs().max().item() <= tolerance()
+    if DTYPE == "float32":
+        assert _tokens(together) == _tokens(alone)
 
 
 def test_pinned_pool_is_bounded_and_reused():
