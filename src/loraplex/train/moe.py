@@ -204,7 +204,7 @@ class GatedDown(torch.autograd.Function):
         y, xa = project(h, w, a, b, scale, pairs.groups, backend)
         ctx.save_for_backward(gate_up, weights, h, xa, w, a, b)
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
-        return kern.sum_rows_by_token(y, pairs.inv, pairs.top_k)
+        return sum_by_token(y, pairs)
 
     @staticmethod
     def backward(ctx, g):
