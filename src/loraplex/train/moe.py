@@ -196,11 +196,10 @@ class GatedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, top_k_weights, w, a, b, scale: float, pairs: SortedPairs, backend: str):
-        kern = ops.backend_for(gate_up.device)
         ctx.dtypes = (a.dtype, b.dtype)
         a, b = a.to(gate_up.dtype), b.to(gate_up.dtype)
         weights = top_k_weights.reshape(-1).contiguous()
-        h = kern.silu_mul_weighted(gate_up, weights, pairs.order)
+        h = ops.backend_for(gate_up.device).silu_mul_weighted(gate_up, weights, pairs.order)
         y, xa = project(h, w, a, b, scale, pairs.groups, backend)
         ctx.save_for_backward(gate_up, weights, h, xa, w, a, b)
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend

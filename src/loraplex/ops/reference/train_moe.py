@@ -1,5 +1,6 @@
-"""Plain-torch oracles of the MoE training kernels (gated activation with the routing
-weight, and the sum of each token's expert rows), forward and backward, in float32."""
+"""Plain-torch oracles of the MoE training kernels, in float32: the gated activation
+with the routing weight (forward and backward), the sum of each token's expert rows, and
+the LoRA expand added in place over expert-sorted rows."""
 
 from __future__ import annotations
 
