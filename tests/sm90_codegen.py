@@ -77,7 +77,7 @@ def kernels() -> dict:
         group_starts_ptr=i32, group_ranks_ptr=i32, tiles_ptr=i32, num_tiles=7, m_blocks=3,
         slice_starts_ptr=i32, stride_bs=8192 * 16, stride_bm=16, stride_br=1,
         stride_wl=qkv * 16, stride_wn=16, stride_wr=1, stride_ym=qkv, stride_yn=1,
-        N_BLOCKS_PER_SLICE=const(32), BLOCK_M=const(64), BLOCK_N=const(128), BLOCK_R=const(16),
+        N_BLOCKS_PER_SLICE=const(16), BLOCK_M=const(16), BLOCK_N=const(256), BLOCK_R=const(16),
         TILE_BLOCKS=const(4), EXPLICIT_TILES=const(True), ALIGN=const(16), **tf32))
     h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):

@@ -18,15 +18,17 @@ from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import column_alignment, lora_tiles, rank_ceil, slice_starts
 from loraplex.ops.triton.precision import dot_settings
 
-# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
-# A program loads its B tile once and walks TILE_BLOCKS token blocks of its group.
-BLOCK_M, BLOCK_N, NUM_WARPS, TILE_BLOCKS = 64, 128, 4, 4
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
+# A program loads its B tile once and walks TILE_BLOCKS token blocks of its group. Blocks
+# of 16 tokens: a step's decode tokens are one-token groups, and a 64-row tile computed
+# 63 empty rows for each of them.
+BLOCK_M, BLOCK_N, NUM_WARPS, TILE_BLOCKS = 16, 256, 4, 4
 
 
 def expand_config(num_tokens: int) -> dict:
     """Few tokens (a small or graph-captured batch): one tile covers a group's tokens."""
     if num_tokens <= 64:
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_N=BLOCK_N,
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_N=128,
                     TILE_BLOCKS=1, num_warps=NUM_WARPS)
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILE_BLOCKS=TILE_BLOCKS, num_warps=NUM_WARPS)
 

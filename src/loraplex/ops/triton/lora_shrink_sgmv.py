@@ -23,17 +23,20 @@ from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.lora_common import lora_tiles
 from loraplex.ops.triton.precision import dot_settings
 
-# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/kernels.py; benchmarks/NOTES.md).
-BLOCK_M, BLOCK_K, NUM_WARPS = 64, 64, 4
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
+BLOCK_M, BLOCK_K, NUM_WARPS = 32, 128, 4
 
 
 def shrink_config(num_tokens: int, in_features: int) -> dict:
-    """Few tokens (a small or graph-captured batch): one tile covers a group's tokens, and
-    split-K spreads the long K over programs."""
+    """Few tokens (a small or graph-captured batch): one tile covers a group's tokens.
+    Split-K spreads the long K over programs: a 2048-token step has only ~60 tiles, and
+    one program walking all of down_proj's K = 14336 alone took 85 us where four take 26;
+    at 8192 tokens there are tiles enough and two splits do best."""
     if num_tokens <= 64:
         return dict(BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), BLOCK_K=128,
                     SPLIT_K=4, num_warps=4)
-    return dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SPLIT_K=1, num_warps=NUM_WARPS)
+    return dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SPLIT_K=4 if num_tokens <= 4096 else 2,
+                num_warps=NUM_WARPS)
 
 
 @triton.jit(do_not_specialize=["K", "num_tiles", "m_blocks"])

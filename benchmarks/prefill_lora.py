@@ -1,0 +1,77 @@
+"""The LoRA kernels on the step a serving run actually makes with prefill tokens: 2048
+tokens = a few prompt chunks (one adapter each) plus one decode token for each other
+running request (an adapter each), on Llama-3.1-8B's projections. Sweeps the shrink's
+split-K and block sizes against the base GEMM of the same projection.
+
+    python benchmarks/prefill_lora.py [--chunks 4] [--decodes 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+from loraplex import ops
+from loraplex.ops.metadata import make_lora_batch
+
+from kernels import PROJECTIONS, bench  # noqa: E402 - run from benchmarks/
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--decodes", type=int, default=28)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--interleaved", action="store_true",
+                   help="token i uses adapter i %% 32 instead (every group spread over the step)")
+    args = p.parse_args()
+    ops.use_backend("triton")
+    dev, rank, max_loras = "cuda", args.rank, 32
+    per_chunk = (args.tokens - args.decodes) // args.chunks
+    slots = list(range(args.chunks, args.chunks + args.decodes))
+    for c in range(args.chunks):
+        slots += [c] * per_chunk
+    if args.interleaved:
+        slots = [i % max_loras for i in range(args.tokens)]
+    batch = make_lora_batch(slots, [rank] * max_loras, max_loras, dev)
+    tokens = len(slots)
+    sgmv = importlib.import_module("loraplex.ops.triton.lora_shrink_sgmv")
+    expand = importlib.import_module("loraplex.ops.triton.lora_expand_sgmv")
+    shape = ("interleaved" if args.interleaved else
+             f"{args.chunks} chunks of {per_chunk} + {args.decodes} decode tokens")
+    print(f"{tokens} tokens: {shape}, {len(batch.groups)} adapters; microseconds, CUDA-graph replays")
+    base_shrink, base_expand = sgmv.shrink_config, expand.expand_config
+    total = {}
+    for name, (k, outs) in PROJECTIONS.items():
+        n = sum(outs)
+        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16) * 0.01
+        y = x @ w.T
+        buf = ops.lora_shrink(x, a, batch)
+        row = {"gemm": bench(lambda: torch.mm(x, w.T)) * 1e3}
+        for bm, bk, split in [(64, 64, 1), (32, 128, 2), (32, 128, 4), (32, 128, 8), (32, 256, 4),
+                              (64, 128, 4), (16, 128, 2)]:
+            sgmv.shrink_config = lambda t, kk, c=dict(BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, num_warps=4): c
+            row[f"shrink m{bm} k{bk} s{split}"] = bench(lambda: ops.lora_shrink(x, a, batch)) * 1e3
+        sgmv.shrink_config = base_shrink
+        for bm, bn, tb in [(64, 128, 4), (32, 128, 4), (16, 128, 4), (16, 256, 4), (32, 256, 4),
+                           (32, 128, 8), (32, 64, 4), (16, 128, 8)]:
+            expand.expand_config = lambda t, c=dict(BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=tb, num_warps=4): c
+            row[f"expand m{bm} n{bn} t{tb}"] = bench(lambda: ops.lora_expand(buf, b, y, tuple(outs), batch)) * 1e3
+        expand.expand_config = base_expand
+        y_bytes = tokens * n * 2
+        row["expand floor (y read+write)"] = 2 * y_bytes / 4.3e12 * 1e6
+        row["shrink floor (x read)"] = tokens * k * 2 / 4.3e12 * 1e6
+        for key, v in row.items():
+            total[key] = total.get(key, 0.0) + v
+        print(name, {key: round(v, 1) for key, v in row.items()}, flush=True)
+    print("sum over q/k/v, o, gate/up, down:", {key: round(v, 1) for key, v in total.items()})
+
+
+if __name__ == "__main__":
+    main()
