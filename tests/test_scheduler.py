@@ -141,9 +141,22 @@ def test_loading_adapters_are_passed_over_not_waited_for():
     sched.add(_adapted("cold", loading))
     sched.add(_request("base", 4))
     sched.add(_adapted("warm", _ticket("w")))
-    assert [c.request_id for c in sched.schedule().chunks] == ["base", "warm"]
+    plan = sched.schedule()
+    # warm is admitted and its adapter copied into a slot beside base's step; it runs next.
+    assert [c.request_id for c in plan.chunks] == ["base"]
+    assert list(plan.lora_loads.values()) == ["sha256:w"]
     loading.state = "ready"
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks if c.num_tokens > 1] == ["warm"]
+    assert list(plan.lora_loads.values()) == ["sha256:cold"]
     assert [c.request_id for c in sched.schedule().chunks if c.num_tokens > 1] == ["cold"]
+
+
+def test_a_step_with_nothing_else_to_run_runs_the_request_whose_adapter_it_copies():
+    sched = _scheduler(slots=1)
+    sched.add(_adapted("r1", _ticket("a")))
+    plan = sched.schedule()
+    assert [c.request_id for c in plan.chunks] == ["r1"] and plan.lora_loads == {0: "sha256:a"}
 
 
 def test_a_request_starved_of_slots_stops_other_adapters(monkeypatch):
@@ -162,7 +175,11 @@ def test_a_request_starved_of_slots_stops_other_adapters(monkeypatch):
     _run(sched, plan)
     while "hot1" in sched.requests:
         _run(sched, sched.schedule())
-    assert "cold" in [c.request_id for c in sched.schedule().chunks]
+    plan = sched.schedule()
+    # The drained slot goes to cold; its copy runs beside base's last step, and it runs next.
+    assert plan.lora_loads == {0: "sha256:cold"} and [c.request_id for c in plan.chunks] == ["base"]
+    _run(sched, plan)
+    assert [c.request_id for c in sched.schedule().chunks] == ["cold"]
 
 
 def test_stop_conditions_in_update():

@@ -59,7 +59,8 @@ def step_profile(log: list[tuple]) -> dict:
     adapters into slots); device_ms: from the step's first queued device work starting
     to its last finishing (with one step in flight it starts when the previous one
     ends), so a step the host holds up has launch_ms near its total and device_ms well
-    under it."""
+    under it; copy_wait_ms / copy_ms: on the copy stream, the wait for the slots' last
+    readers (the step in flight) and then the slot copies themselves."""
     if not log:
         return {}
     ms = sorted(r[0] * 1e3 for r in log)
@@ -74,6 +75,10 @@ def step_profile(log: list[tuple]) -> dict:
         timed = [r[5] for r in rows if len(r) > 5 and r[5] is not None]
         if timed:
             out["device_ms"] = round(sum(start.elapsed_time(end) for start, end in timed) / len(timed), 2)
+        copies = [r[6] for r in rows if len(r) > 6 and r[6] is not None]
+        if copies:  # on the copy stream: waiting for the slots' last readers, then copying
+            out["copy_wait_ms"] = round(sum(a.elapsed_time(b) for a, b, _ in copies) / len(copies), 2)
+            out["copy_ms"] = round(sum(b.elapsed_time(c) for _, b, c in copies) / len(copies), 2)
         return out
 
     slow = [r for r in log if r[0] * 1e3 > 3 * median]

@@ -247,7 +247,8 @@ class LLMEngine:
             outputs += self._finish_step(launched)
         if self.step_log is not None and plan.chunks:
             self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch,
-                                  self.runner.slot_load_s, launched.device_events))
+                                  self.runner.slot_load_s, launched.device_events,
+                                  self.runner.slot_copy_events))
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:

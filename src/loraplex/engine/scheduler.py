@@ -120,7 +120,9 @@ class Scheduler:
         """Admit waiting requests, oldest first, while pages, sequences and budget last.
 
         A request whose adapter is still loading is passed over; so is one whose adapter
-        needs a GPU slot while none is free, in favour of requests that can run now. Once
+        needs a GPU slot while none is free, in favour of requests that can run now. One
+        whose adapter is copied into a slot by this step is admitted but runs from the
+        next step on (unless the step has nothing else to run). Once
         one has waited max_adapter_wait for a slot, only base-model requests are admitted
         after it, so slots drain and the next one freed goes to it.
         """
@@ -138,17 +140,23 @@ class Scheduler:
             if not self.blocks.can_grow(req.block_ids, n):
                 break
             self.waiting.remove(req)
+            must_load = False
             if key is not None:
                 req.lora_slot, must_load = self.slots.acquire(key)
                 if must_load:
                     plan.lora_loads[req.lora_slot] = key
                 elif req.metrics.adapter_source == "host":
                     req.metrics.adapter_source = "gpu"
-            self.blocks.grow(req.block_ids, n)
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
+            if must_load and plan.chunks:
+                # Its adapter is copied into the slot beside this step (milliseconds for a
+                # large one) and it runs from the next step on: a step that read the slot
+                # now would make every request in it wait for the copy.
+                continue
+            self.blocks.grow(req.block_ids, n)
             plan.chunks.append(self._chunk(req, n))
             budget -= n
         return budget

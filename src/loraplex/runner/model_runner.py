@@ -77,10 +77,12 @@ class ModelRunner:
         self._last_token_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
+        # Decode graphs run the LoRA shrink on this side stream, beside the base GEMM.
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
         # Adapter copies into GPU slots, and per slot the last step that read it.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.slot_load_s = 0.0  # host time of the last launch's slot copies (bench step profile)
+        self.slot_copy_events: list[torch.cuda.Event] | None = None  # and their device timing
         self.time_steps = False  # record device timing events around each step (bench step profile)
         if self.device.type == "cuda":
             # cuBLASLt picks better kernels for decode's skinny GEMMs (M = batch): on an
@@ -88,6 +90,8 @@ class ModelRunner:
             # (benchmarks/gemm_probe.py); serving throughput +2%. Process-wide setting.
             torch.backends.cuda.preferred_blas_library("cublaslt")
         self._slot_last_read: dict[int, torch.cuda.Event] = {}
+        # Per slot, the end of a copy into it that no step has waited for yet.
+        self._slot_ready: dict[int, torch.cuda.Event] = {}
         # MoE: (distinct experts hit, layer-steps) summed over decode steps, when measured.
         self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
                           if config.measure_moe_routing and config.model.moe_layers else None)
@@ -243,6 +247,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
         self.slot_load_s = 0.0
+        self.slot_copy_events = None
         start = None
         if self.time_steps and self.device.type == "cuda" and plan.chunks:
             start = torch.cuda.Event(enable_timing=True)
@@ -254,6 +259,10 @@ class ModelRunner:
         out = LaunchedStep(plan)
         if not plan.chunks:
             return out
+        for chunk in plan.chunks:  # the copies this step reads; others run on beside it
+            ready = self._slot_ready.pop(chunk.lora_slot, None)
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
         ranks = self.lora_slots.ranks if self.lora_slots else []
         dora = self.lora_slots.dora_slots if self.lora_slots else set()
         graph_size = None
@@ -266,7 +275,10 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_size, inputs.lora is not None)
         else:
             decode = inputs.attn.max_query_len == 1
-            ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=self.aux_stream,
+            # No side stream for the LoRA shrink here: an eager step waits on its host, and
+            # each hop between streams costs ~16 us of it (128 per Llama-8B step); on the
+            # device the shrink beside the GEMM gained nothing (benchmarks/profile_prefill.py).
+            ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=None,
                                  moe_stats=self.moe_stats if decode else None)
             with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
@@ -290,22 +302,37 @@ class ModelRunner:
 
     def _load_slots(self, loads: dict[int, str]) -> None:
         """Copy adapters from pinned host memory into GPU slots on their own stream, so
-        the copies overlap the step still running; this step's kernels wait for them.
-        A slot is overwritten only after the last step that read it (a request that
-        left that slot may still be in the step in flight)."""
+        the copies overlap the steps running meanwhile; the first step that reads a slot
+        waits for its copy (the scheduler runs a request whose adapter is being copied
+        in from the next step on, so that is usually done by then). A slot is
+        overwritten only after the last step that read it (a request that left that
+        slot may still be in the step in flight)."""
         if self.copy_stream is None:
             for slot, key in loads.items():
                 self.lora_slots.load(slot, self.adapters.get(key))
             return
+        # Timed (bench step profile): copy stream reaches the loads, their slots are free,
+        # the copies are done.
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.time_steps else None
         with torch.cuda.stream(self.copy_stream):
+            if marks:
+                marks[0].record()
+            for slot in loads:
+                last_read = self._slot_last_read.pop(slot, None)
+                if last_read is not None:
+                    self.copy_stream.wait_event(last_read)
+            if marks:
+                marks[1].record()
             for slot, key in loads.items():
-                if slot in self._slot_last_read:
-                    self.copy_stream.wait_event(self._slot_last_read.pop(slot))
                 adapter = self.adapters.get(key)
                 self.lora_slots.load(slot, adapter)
-                adapter.last_copy = torch.cuda.Event()  # its host buffer is free after this
-                adapter.last_copy.record(self.copy_stream)
-        torch.cuda.current_stream().wait_stream(self.copy_stream)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+                self._slot_ready[slot] = done
+                adapter.last_copy = done  # its host buffer is free after this
+            if marks:
+                marks[2].record()
+        self.slot_copy_events = marks
 
     def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
         """Write tokens still in flight (PENDING_TOKEN) from the previous step's device
