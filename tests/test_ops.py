@@ -100,7 +100,7 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid,
     batch = lora_batch(slots, ranks, max_loras)
     if graph_grid:
         batch.active, batch.groups = any(s >= 0 for s in slots), []
-    y = y0.to(**dev)
+    y = y0.clone().to(**dev)  # a copy on CPU too: y0 stays the original
     buf = shrink(x.to(**dev), a.to(**dev), batch)
     assert buf.shape == (len(sizes), num_tokens, max_rank) and buf.dtype == torch.float32
     expand(buf, b.to(**dev), y, sizes, batch)
