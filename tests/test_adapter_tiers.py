@@ -168,6 +168,38 @@ def test_registry_versions_and_hot_swap(model_dirs, tmp_path, capsys):
     assert len(list((tmp_path / "registry" / "blobs").iterdir())) == 2, "v2 published twice, stored once"
 
 
+def test_finiteness_is_checked_at_publish_not_at_each_load(model_dirs, tmp_path, monkeypatch):
+    """A registry blob was checked for NaN / inf when published: loading it reads no
+    byte twice (the check would stream the whole file beside the engine thread), while an
+    adapter from a plain directory is checked at every load."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.adapters import peft
+    from loraplex.errors import AdapterInvalid
+
+    registry = Registry(str(tmp_path / "registry"))
+    llm = make_llm(model_dirs["llama"], max_loras=2, max_lora_rank=8,
+                   lora_registry=str(tmp_path / "registry"))
+    good = _adapter(llm, tmp_path / "good", 0)
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    weights = load_file(bad / "adapter_model.safetensors")
+    next(t for k, t in weights.items() if k.endswith("lora_A.weight"))[0, 0] = float("inf")
+    save_file(weights, bad / "adapter_model.safetensors")
+    with pytest.raises(AdapterInvalid, match="NaN or infinite"):
+        registry.publish("bad", bad)
+    assert registry.names() == [] and not (tmp_path / "registry" / "blobs").exists()
+
+    registry.publish("good", good)
+    checks = []
+    finite_bytes = peft._finite_bytes
+    monkeypatch.setattr(peft, "_finite_bytes", lambda *a: checks.append(1) or finite_bytes(*a))
+    llm.generate([[5, 6, 7]], SP, LoRARequest("good", 1))
+    assert not checks, "a published blob is not checked again"
+    llm.generate([[5, 6, 7]], SP, LoRARequest("dir", 2, str(good)))
+    assert checks, "a plain directory is checked at load"
+
+
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass

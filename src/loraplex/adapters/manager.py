@@ -268,7 +268,8 @@ class AdapterManager:
         t0 = time.perf_counter()
         local, tier, staged = source.uri, "disk", None
         # Content-addressed copies were verified when they were written (registry publish,
-        # disk-cache commit): their content id needs no second pass over the bytes.
+        # disk-cache commit): their content id and finiteness need no second pass over
+        # the bytes (which would also slow the engine thread: benchmarks/NOTES.md).
         verified = source.content_id is not None and not source.remote
         if source.remote:
             cached = self.disk_cache.lookup(cid) if (self.disk_cache and cid) else None
@@ -292,7 +293,8 @@ class AdapterManager:
                     raise AdapterInvalid(source.name,
                                          f"content is {cid}, the registry says {source.content_id}")
                 adapter = to_canonical(cid, source.name, source.uri, config, tensors,
-                                       self.targets, self.max_rank, self.dtype)
+                                       self.targets, self.max_rank, self.dtype,
+                                       check_finite=not verified)
             if slab is not None and _lives_in(adapter, slab):
                 adapter.pinned_buffer, slab = slab, None
             elif slab is not None:  # the file did not fit, or was cast to another dtype

@@ -129,12 +129,16 @@ def to_canonical(
     targets: AdapterTargets | Mapping[str, tuple[int, int]],
     max_rank: int,
     dtype: torch.dtype,
+    check_finite: bool = True,
 ) -> LoRAAdapter:
     """Validate a PEFT adapter's tensors against the model and work out each module's
     scaling. Dense modules keep the file's tensors (read from a `TensorFile`, no view is
     made here: names, shapes and bytes come from its header and buffer).
 
     targets: what the model can adapt (a plain mapping: its projections, no experts).
+    check_finite=False: the bytes are known finite (a content-addressed copy checked
+    when it was written: `all_finite` at registry publish or the load before a disk-cache
+    commit), so the pass over them is skipped.
     """
     if not isinstance(targets, AdapterTargets):
         targets = AdapterTargets(targets)
@@ -173,7 +177,7 @@ def to_canonical(
     if on_experts and use_dora:
         raise AdapterInvalid(name, "DoRA on experts is not supported")
     raw_expert_tensors = [t for parts in on_experts.values() for ab in parts.values() for t in ab.values()]
-    if not _all_finite(raw_expert_tensors):
+    if check_finite and not _all_finite(raw_expert_tensors):
         raise AdapterInvalid(name, "expert LoRA weights have NaN or infinite values")
     experts = canonical_experts(name, config, on_experts, targets.experts, scaling_of, max_rank)
     modules, magnitudes = {}, {}
@@ -206,7 +210,7 @@ def to_canonical(
                + [t.shape[1] for x in experts.values() for t in (x.a_gate_up, x.a_down) if t is not None])
     rank = min(rank, max_rank)
     dense = [n for a, b, _ in modules.values() for n in (a, b)]
-    if not _all_finite_named(tensors, dense):
+    if check_finite and not _all_finite_named(tensors, dense):
         bad = next(m for m, (a, b, _) in modules.items() if not _all_finite_named(tensors, [a, b]))
         raise AdapterInvalid(name, f"{bad} has NaN or infinite weights")
     kept: Mapping[str, torch.Tensor] = tensors if modules else {}
@@ -236,6 +240,12 @@ def _packed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tenso
     if out:
         torch._foreach_copy_(out, tensors)
     return out
+
+
+def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Every floating tensor of an adapter file free of NaN and inf."""
+    floats = [n for n, (dtype, _) in tensor_meta(tensors).items() if dtype in _NP_FLOATS]
+    return _all_finite_named(tensors, floats)
 
 
 def _all_finite_named(tensors: Mapping[str, torch.Tensor], names: list[str]) -> bool:

@@ -19,7 +19,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from loraplex.errors import AdapterNotFound
+from loraplex.errors import AdapterInvalid, AdapterNotFound
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -69,11 +69,15 @@ class Registry:
         With `link`, a local registry hard-links the files instead of copying them (the
         source must then never change). Returns (version, content id)."""
         from loraplex.adapters.manifest import content_id
-        from loraplex.adapters.peft import read_adapter_dir
+        from loraplex.adapters.peft import all_finite, read_adapter_dir
 
         if not _NAME.match(name):
             raise ValueError(f"adapter names are letters, digits, '.', '_' and '-': {name!r}")
         config, tensors = read_adapter_dir(name, adapter_dir)
+        # Checked once here: loads of a published blob trust its bytes (content id and
+        # finiteness), as they trust its content id.
+        if not all_finite(tensors):
+            raise AdapterInvalid(name, "has NaN or infinite weights; not published")
         cid = content_id(config, tensors)
         blob = self.blob_uri(cid)
         if not self.fs.exists(f"{blob}/{FILES[1]}"):
