@@ -55,10 +55,12 @@ for step in $STEPS; do
       timeout 300 python3 benchmarks/train_moe.py --layers 2 --seq-lens ${SEQ:-16384} --profile 2>&1 \
         | grep -v -i warn > "$OUT/train-profile.txt"; grep -A 14 "===" "$OUT/train-profile.txt" ;;
     cold)  # issue 6: 1,000 cold adapters from a registry; the step profile says where time goes
+      # (COLD_ARGS=--sample-stacks adds where the engine thread is, at a cost: its sampler
+      # thread takes the GIL, and the run slows by ~10%)
       timeout 560 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 0 1000 \
         --adapter-dist uniform zipf --cold-adapters --adapter-registry --max-loras 32 --max-cpu-loras 128 \
         --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
-        --max-num-batched-tokens 2048 --sample-stacks ${COLD_ARGS:-} --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
+        --max-num-batched-tokens 2048 ${COLD_ARGS:-} --cache-dir /tmp/lp --result-json "$OUT/cold.json" 2>&1 \
         | grep -v "it/s" > "$OUT/cold.txt"; tail -40 "$OUT/cold.txt" ;;
     interference)  # issue 6: how much each kind of loader work slows a host-bound engine thread
       timeout 200 python3 benchmarks/loader_interference.py --threads 1 2 8 2>&1 | tee "$OUT/interference.txt" | tail -12 ;;

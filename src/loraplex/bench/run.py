@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-stacks", action="store_true",
                    help="in process: sample where the engine thread spends its host time in "
-                        "runner.launch (reported per run)")
+                        "runner.launch (reported per run; the sampler thread takes the GIL, so "
+                        "host-bound runs slow down: leave it off for throughput figures)")
 
 
 def main(args: argparse.Namespace) -> int:
