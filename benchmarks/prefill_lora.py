@@ -16,7 +16,7 @@ import torch
 from loraplex import ops
 from loraplex.ops.metadata import make_lora_batch
 
-from kernels import PROJECTIONS, bench  # noqa: E402 - run from benchmarks/
+from kernels import PROJECTIONS, bench  # benchmarks/kernels.py: the script's directory is on sys.path
 
 
 def main():
