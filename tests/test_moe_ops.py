@@ -163,6 +163,50 @@ def test_tuned_config_files(tmp_path, monkeypatch):
     assert fused_moe.gemm_config(w, 1000, 2)["BLOCK_M"] == 64
 
 
+def test_moe_warm_up_covers_every_config_a_step_can_pick(monkeypatch):
+    """The engine compiles the expert kernels at start for one token count per distinct
+    (gate/up config, down config, expert-LoRA tile); every count up to the step budget
+    must pick a combination one of them ran, with a multiple of 16 among them wherever
+    one exists (Triton specializes on divisibility by 16)."""
+    from loraplex.ops.triton import moe_gemm, moe_lora
+
+    tuned = {16: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
+             2048: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)}
+    monkeypatch.setattr(moe_gemm, "tuned_config",
+                        lambda w, t: dict(tuned[m]) if (m := min(tuned, key=lambda m: abs(m - t)))
+                        / 2 <= t <= 2 * m else None)
+    w_gu, w_d = torch.empty(128, 1536, 2048), torch.empty(128, 2048, 768)
+    max_tokens = 5000
+
+    def choice(t):
+        return (moe_gemm.gemm_config(w_gu, t, 8), moe_gemm.gemm_config(w_d, t, 8),
+                moe_lora.lora_block_m(t * 8))
+
+    counts = fused_moe.warm_up_token_counts(w_gu, w_d, 8, max_tokens)
+    assert all(1 <= t <= max_tokens for t in counts) and len(counts) < 30
+    warmed = [choice(t) for t in counts]
+    for t in range(1, max_tokens + 1):
+        assert choice(t) in warmed, t
+    for c in {str(x) for x in warmed}:
+        group = [t for t in range(1, max_tokens + 1) if str(choice(t)) == c]
+        if any(t % 16 == 0 for t in group):
+            assert any(t % 16 == 0 for t in counts if str(choice(t)) == c)
+
+
+def test_moe_warm_up_runs_and_changes_nothing():
+    gen = torch.Generator().manual_seed(9)
+    e, h, i, t = 4, 16, 8, 3
+    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
+    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
+    lora = make_lora(e, h, i, t, gen, with_ranks=True)
+    lora = MoELoRA(*(f.to(DEVICE) for f in (lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down,
+                                            lora.token_slot, lora.slot_mask, lora.ranks)))
+    before = [w.clone() for w in (w_gu, w_d, lora.a_gate_up, lora.b_down)]
+    with ops.using_backend("triton"):
+        ops.warm_up_moe(w_gu, w_d, 2, True, "silu", None, None, lora, None, max_tokens=24)
+    assert all(torch.equal(a, b) for a, b in zip(before, (w_gu, w_d, lora.a_gate_up, lora.b_down)))
+
+
 def test_tuner_candidates():
     small = tune_moe.candidates(1, 8, 128, fused=True)
     large = tune_moe.candidates(4096, 8, 128, fused=True)

@@ -84,6 +84,25 @@ class SparseMoE(nn.Module):
                                  e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit)
 
 
+    def warm_up(self, max_tokens: int) -> None:
+        """Compile the expert kernels that eager steps of up to max_tokens tokens run."""
+        e = self.experts
+        lora = None
+        if e.lora_a_gate_up is not None:
+            lora = MoELoRA(e.lora_a_gate_up, e.lora_b_gate_up, e.lora_a_down, e.lora_b_down,
+                           e.lora_slot_mask.new_zeros(0), e.lora_slot_mask, e.lora_ranks)
+        ops.warm_up_moe(e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
+                        self.activation, e.gate_up_proj_bias, e.down_proj_bias, lora,
+                        self.swiglu_limit, max_tokens)
+
+    def warm_up_key(self) -> tuple:
+        """Layers with equal keys compile the same kernel variants."""
+        e = self.experts
+        return (tuple(e.gate_up_proj.shape), e.gate_up_proj.dtype, e.gate_up_proj_bias is not None,
+                e.lora_a_gate_up is not None and tuple(e.lora_a_gate_up.shape), self.top_k,
+                self.renormalize, self.activation, self.swiglu_limit)
+
+
 class MoEDecoderLayer(DecoderLayer):
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return SparseMoE(cfg) if layer in cfg.moe_layers else GatedMLP(cfg)

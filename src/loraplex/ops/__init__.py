@@ -92,6 +92,19 @@ def warm_up_lora(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_sizes: tuple[
         warm(lora_a, lora_b, slice_sizes, max_tokens)
 
 
+def warm_up_moe(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, renormalize: bool,
+                activation: str, b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None,
+                lora: MoELoRA | None, swiglu_limit: float | None, max_tokens: int) -> None:
+    """Compile now whatever route_experts / fused_experts will run for eager steps of up
+    to max_tokens tokens with these weights, with and without `lora` (its token_slot is
+    ignored). A backend whose kernel configs follow the token count would otherwise
+    compile mid-serving (~1 s for every request in flight). No effect on any tensor."""
+    warm = getattr(_impl, "warm_up_moe", None)
+    if warm is not None:
+        warm(w_gate_up, w_down, top_k, renormalize, activation, b_gate_up, b_down, lora,
+             swiglu_limit, max_tokens)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -219,5 +232,7 @@ __all__ = [
     "silu_and_mul",
     "use_backend",
     "using_backend",
+    "warm_up_lora",
+    "warm_up_moe",
     "write_kv_cache",
 ]

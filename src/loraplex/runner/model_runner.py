@@ -103,11 +103,18 @@ class ModelRunner:
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
-                self._warm_up_lora_kernels()
+                self._warm_up_eager_kernels()
 
     @torch.inference_mode()
-    def _warm_up_lora_kernels(self) -> None:
-        """The LoRA kernel variants of eager steps (graphs compiled those of decode)."""
+    def _warm_up_eager_kernels(self) -> None:
+        """The kernel variants of eager steps whose choice follows the token count (graphs
+        compiled those of decode): the MoE experts' and the LoRA ones."""
+        max_tokens = self.config.scheduler.max_num_batched_tokens
+        moe_seen = set()
+        for module in self.model.modules():
+            if hasattr(module, "warm_up_key") and module.warm_up_key() not in moe_seen:
+                moe_seen.add(module.warm_up_key())
+                module.warm_up(max_tokens)
         if self.lora_slots is None:
             return
         seen = set()

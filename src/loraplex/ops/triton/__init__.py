@@ -8,7 +8,7 @@ import torch
 
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
-from loraplex.ops.triton.fused_moe import fused_experts
+from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.kv_cache import write_kv_cache
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
@@ -68,5 +68,6 @@ __all__ = [
     "silu_mul_weighted_backward",
     "sum_rows_by_token",
     "warm_up_lora",
+    "warm_up_moe",
     "write_kv_cache",
 ]

@@ -66,3 +66,44 @@ def fused_experts(
     moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
              delta=delta_d, lora=lora, top_k=top_k)
     return y.view(t, top_k, hidden).sum(1)
+
+
+def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+                         max_tokens: int) -> list[int]:
+    """Token counts whose batches, between them, run every kernel variant fused_experts
+    can pick for 1..max_tokens tokens: per distinct choice of GEMM configs (tuned or
+    default, both follow the token count) and expert-LoRA tile, its smallest and largest
+    count and its first multiple of 16 (Triton also specializes on an integer's
+    divisibility by 16)."""
+    ranges: dict[tuple, list[int]] = {}
+    for t in range(1, max_tokens + 1):
+        key = (tuple(gemm_config(w_gate_up, t, top_k).items()),
+               tuple(gemm_config(w_down, t, top_k).items()), lora_block_m(t * top_k))
+        ranges.setdefault(key, []).append(t)
+    counts = set()
+    for ts in ranges.values():
+        counts |= {ts[0], ts[-1], next((t for t in ts if t % 16 == 0), ts[0])}
+    return sorted(counts)
+
+
+def warm_up_moe(w_gate_up, w_down, top_k, renormalize, activation, b_gate_up, b_down, lora,
+                swiglu_limit, max_tokens) -> None:
+    """See loraplex.ops.warm_up_moe."""
+    from loraplex.ops.triton.moe_route import route_experts
+
+    num_experts, _, hidden = w_gate_up.shape
+    dev, dtype = w_gate_up.device, w_gate_up.dtype
+    for t in warm_up_token_counts(w_gate_up, w_down, top_k, max_tokens):
+        x = torch.zeros(t, hidden, dtype=dtype, device=dev)
+        weights, _ = route_experts(torch.zeros(t, num_experts, dtype=dtype, device=dev), top_k,
+                                   renormalize)
+        # Pairs spread over every expert, as in a real batch.
+        ids = (torch.arange(t * top_k, device=dev, dtype=torch.int32) % num_experts).view(t, top_k)
+        variants = [None]
+        if lora is not None:
+            variants.append(MoELoRA(lora.a_gate_up, lora.b_gate_up, lora.a_down, lora.b_down,
+                                    torch.zeros(t, dtype=torch.int32, device=dev),
+                                    lora.slot_mask, lora.ranks))
+        for v in variants:
+            fused_experts(x, weights, ids, w_gate_up, w_down, activation, b_gate_up, b_down, v,
+                          swiglu_limit)
