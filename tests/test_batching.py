@@ -172,6 +172,22 @@ def test_async_scheduling_changes_nothing(model_dirs, adapter_dirs):
     assert eager.engine.scheduler.blocks.num_free_blocks == 20
 
 
+def test_graph_capture_runs_without_garbage_collection(monkeypatch):
+    """A finalizer run inside a CUDA graph capture (a dead engine's pinned pool calls
+    cudaHostUnregister) invalidates the capture: garbage is collected before, and the
+    collector is off during, capture."""
+    import gc
+
+    from loraplex.runner.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model=None, inputs=None, max_batch=4, with_lora=False)
+    seen = []
+    monkeypatch.setattr(graphs, "_capture", lambda: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    graphs.capture()
+    assert seen == [False] and gc.isenabled()
+
+
 def test_next_step_inputs_leave_the_previous_steps_staging_alone():
     """A step's host-to-device input copies can still be queued (behind its adapter slot
     copies) when the host fills the next step's inputs: on a GPU each step writes the

@@ -10,6 +10,7 @@ one graph serves any mix of adapters and base requests.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 
@@ -43,6 +44,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        # No garbage collection inside a capture: a finalizer it runs there (a dead
+        # engine's pinned pool calls cudaHostUnregister) invalidates the capture.
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
