@@ -35,6 +35,17 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
+def projection_tensors(tokens: int, k: int, outs: list[int], max_loras: int, rank: int, dev):
+    """Random bf16 input x [tokens, k], base weight w [sum(outs), k] and LoRA slot tensors
+    A [slices, max_loras, rank, k], B [max_loras, sum(outs), rank] at trained-like scales."""
+    n, bf16 = sum(outs), torch.bfloat16
+    x = torch.randn(tokens, k, device=dev, dtype=bf16)
+    w = torch.randn(n, k, device=dev, dtype=bf16) / k**0.5
+    a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=bf16) / k**0.5
+    b = torch.randn(max_loras, n, rank, device=dev, dtype=bf16) * 0.01
+    return x, w, a, b
+
+
 def lora_batch(slots: list[int], ranks: list[int], max_loras: int, device) -> LoRABatch:
     return make_lora_batch(slots, ranks, max_loras, device)
 
@@ -50,10 +61,7 @@ def lora_cases(bw, tflops, rank=16, max_loras=32):
         batch = lora_batch(slots, [rank] * max_loras, max_loras, dev)
         for name, (k, outs) in PROJECTIONS.items():
             n = sum(outs)
-            x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-            a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16) / k**0.5
-            b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16) * 0.01
+            x, w, a, b = projection_tensors(tokens, k, outs, max_loras, rank, dev)
             y = x @ w.T
             buf = ops.lora_shrink(x, a, batch)
             t_base = bench(lambda: torch.mm(x, w.T))

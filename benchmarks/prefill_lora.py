@@ -12,11 +12,10 @@ import argparse
 import importlib
 
 import torch
+from kernels import PROJECTIONS, bench, projection_tensors  # benchmarks/: the script's own directory
 
 from loraplex import ops
 from loraplex.ops.metadata import make_lora_batch
-
-from kernels import PROJECTIONS, bench  # benchmarks/kernels.py: the script's directory is on sys.path
 
 
 def main():
@@ -47,10 +46,7 @@ def main():
     total = {}
     for name, (k, outs) in PROJECTIONS.items():
         n = sum(outs)
-        x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-        a = torch.randn(len(outs), max_loras, rank, k, device=dev, dtype=torch.bfloat16) / k**0.5
-        b = torch.randn(max_loras, n, rank, device=dev, dtype=torch.bfloat16) * 0.01
+        x, w, a, b = projection_tensors(tokens, k, outs, max_loras, rank, dev)
         y = x @ w.T
         buf = ops.lora_shrink(x, a, batch)
         row = {"gemm": bench(lambda: torch.mm(x, w.T)) * 1e3}
@@ -62,7 +58,8 @@ def main():
         for bm, bn, tb in [(64, 128, 4), (32, 128, 4), (16, 128, 4), (16, 256, 4), (32, 256, 4),
                            (32, 128, 8), (32, 64, 4), (16, 128, 8)]:
             expand.expand_config = lambda t, c=dict(BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=tb, num_warps=4): c
-            row[f"expand m{bm} n{bn} t{tb}"] = bench(lambda: ops.lora_expand(buf, b, y, tuple(outs), batch)) * 1e3
+            run = lambda: ops.lora_expand(buf, b, y, tuple(outs), batch)  # noqa: E731
+            row[f"expand m{bm} n{bn} t{tb}"] = bench(run) * 1e3
         expand.expand_config = base_expand
         y_bytes = tokens * n * 2
         row["expand floor (y read+write)"] = 2 * y_bytes / 4.3e12 * 1e6

@@ -38,7 +38,7 @@ def prefill_steps(engine, loras, label, batch, prompt_len, seed):
         engine.step()
     torch.cuda.synchronize()
     rows = []
-    for wall, tokens, loads, launch, _, events in engine.step_log:
+    for _, tokens, _, launch, _, events, *_ in engine.step_log:
         if tokens > batch:
             dev = events[0].elapsed_time(events[1]) if events else float("nan")
             rows.append((launch * 1e3, dev, tokens))
@@ -57,7 +57,8 @@ def triton_launch_cost():
     `kernel[grid](...)`, through the compiled kernel's launcher directly, and of a torch op."""
     import importlib
 
-    mod = importlib.import_module("loraplex.ops.triton.rms_norm")  # the package exports a function of that name
+    # The package exports a function of that name.
+    mod = importlib.import_module("loraplex.ops.triton.rms_norm")
 
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
