@@ -74,8 +74,8 @@ class Registry:
         if not _NAME.match(name):
             raise ValueError(f"adapter names are letters, digits, '.', '_' and '-': {name!r}")
         config, tensors = read_adapter_dir(name, adapter_dir)
-        # Checked once here: loads of a published blob trust its bytes (content id and
-        # finiteness), as they trust its content id.
+        # Checked once, here: loads of a published blob skip this pass over its bytes, as
+        # they skip its content id.
         if not all_finite(tensors):
             raise AdapterInvalid(name, "has NaN or infinite weights; not published")
         cid = content_id(config, tensors)

@@ -83,7 +83,6 @@ class SparseMoE(nn.Module):
         return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
                                  e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit)
 
-
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""
         e = self.experts
