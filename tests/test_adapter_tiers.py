@@ -9,6 +9,7 @@ import json
 import shutil
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,12 +192,19 @@ def test_finiteness_is_checked_at_publish_not_at_each_load(model_dirs, tmp_path,
     assert registry.names() == [] and not (tmp_path / "registry" / "blobs").exists()
 
     registry.publish("good", good)
+    old = _adapter(llm, tmp_path / "old", 1)
+    _, old_cid = registry.publish("old", old)
+    # As a build that did not check at publish left it: no mark, so loads check it.
+    (Path(registry.blob_uri(old_cid)) / peft.FINITE_MARK).unlink()
     checks = []
     finite_bytes = peft._finite_bytes
     monkeypatch.setattr(peft, "_finite_bytes", lambda *a: checks.append(1) or finite_bytes(*a))
     llm.generate([[5, 6, 7]], SP, LoRARequest("good", 1))
     assert not checks, "a published blob is not checked again"
-    llm.generate([[5, 6, 7]], SP, LoRARequest("dir", 2, str(good)))
+    llm.generate([[5, 6, 7]], SP, LoRARequest("old", 2))
+    assert checks, "a blob without the mark is checked at load"
+    checks.clear()
+    llm.generate([[5, 6, 7]], SP, LoRARequest("dir", 3, str(good)))
     assert checks, "a plain directory is checked at load"
 
 

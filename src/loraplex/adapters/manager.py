@@ -31,6 +31,7 @@ import torch
 from loraplex.adapters.host_cache import HostCache
 from loraplex.adapters.manifest import content_id
 from loraplex.adapters.peft import (
+    FINITE_MARK,
     WEIGHTS_FILE,
     AdapterTargets,
     LoRAAdapter,
@@ -268,8 +269,9 @@ class AdapterManager:
         t0 = time.perf_counter()
         local, tier, staged = source.uri, "disk", None
         # Content-addressed copies were verified when they were written (registry publish,
-        # disk-cache commit): their content id and finiteness need no second pass over
-        # the bytes (which would also slow the engine thread: benchmarks/NOTES.md).
+        # disk-cache commit): their content id, and finiteness where they hold FINITE_MARK,
+        # need no second pass over the bytes (which would also slow the engine thread:
+        # benchmarks/NOTES.md).
         verified = source.content_id is not None and not source.remote
         if source.remote:
             cached = self.disk_cache.lookup(cid) if (self.disk_cache and cid) else None
@@ -292,9 +294,10 @@ class AdapterManager:
                 if source.content_id is not None and cid != source.content_id:
                     raise AdapterInvalid(source.name,
                                          f"content is {cid}, the registry says {source.content_id}")
+                checked = verified and (Path(local) / FINITE_MARK).is_file()
                 adapter = to_canonical(cid, source.name, source.uri, config, tensors,
                                        self.targets, self.max_rank, self.dtype,
-                                       check_finite=not verified)
+                                       check_finite=not checked)
             if slab is not None and _lives_in(adapter, slab):
                 adapter.pinned_buffer, slab = slab, None
             elif slab is not None:  # the file did not fit, or was cast to another dtype

@@ -23,6 +23,9 @@ from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# In a content-addressed copy (registry blob, disk-cache entry): its weights were checked
+# finite when it was written, so loads skip that pass (older copies lack it: checked).
+FINITE_MARK = "loraplex-checked-finite"
 _KEY = re.compile(
     r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>A|B|magnitude_vector)(\.weight)?$"
 )
@@ -136,9 +139,9 @@ def to_canonical(
     made here: names, shapes and bytes come from its header and buffer).
 
     targets: what the model can adapt (a plain mapping: its projections, no experts).
-    check_finite=False: the bytes are known finite (a content-addressed copy checked
-    when it was written: `all_finite` at registry publish or the load before a disk-cache
-    commit), so the pass over them is skipped.
+    check_finite=False: the bytes are known finite (a content-addressed copy holding
+    FINITE_MARK: checked at registry publish, or by the load before a disk-cache commit),
+    so the pass over them is skipped.
     """
     if not isinstance(targets, AdapterTargets):
         targets = AdapterTargets(targets)

@@ -69,13 +69,13 @@ class Registry:
         With `link`, a local registry hard-links the files instead of copying them (the
         source must then never change). Returns (version, content id)."""
         from loraplex.adapters.manifest import content_id
-        from loraplex.adapters.peft import all_finite, read_adapter_dir
+        from loraplex.adapters.peft import FINITE_MARK, all_finite, read_adapter_dir
 
         if not _NAME.match(name):
             raise ValueError(f"adapter names are letters, digits, '.', '_' and '-': {name!r}")
         config, tensors = read_adapter_dir(name, adapter_dir)
-        # Checked once, here: loads of a published blob skip this pass over its bytes, as
-        # they skip its content id.
+        # Checked once, here (the blob then holds FINITE_MARK): loads of a published blob
+        # skip this pass over its bytes, as they skip its content id.
         if not all_finite(tensors):
             raise AdapterInvalid(name, "has NaN or infinite weights; not published")
         cid = content_id(config, tensors)
@@ -87,6 +87,7 @@ class Registry:
                     os.link(Path(adapter_dir) / f, Path(blob) / f)
                 else:
                     self.fs.put_file(str(Path(adapter_dir) / f), f"{blob}/{f}")
+        self.fs.pipe_file(f"{blob}/{FINITE_MARK}", b"")
         index = self.index(name)
         if version is None and index["versions"].get(index["latest"]) == cid:
             return index["latest"], cid  # republishing the latest content changes nothing

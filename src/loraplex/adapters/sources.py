@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from loraplex.adapters.peft import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.adapters.peft import CONFIG_FILE, FINITE_MARK, WEIGHTS_FILE
 from loraplex.adapters.registry import Registry
 from loraplex.errors import AdapterNotFound, AdapterUnavailable
 from loraplex.types import LoRARequest
@@ -80,7 +80,9 @@ class DiskCache:
         return Path(tempfile.mkdtemp(prefix=".incoming-", dir=self.root))
 
     def commit(self, staged: Path, content_id: str) -> Path:
+        """Keep a download whose load validated it (its weights finite: FINITE_MARK)."""
         final = self.path(content_id)
+        (staged / FINITE_MARK).touch()
         with self._lock:
             try:
                 staged.rename(final)
