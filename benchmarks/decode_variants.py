@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.bench.workload import prepare_adapters, prepare_model_dir
+from loraplex import LLM, SamplingParams
+from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
 
 CACHE = Path("/tmp/lp")
 PKG = "loraplex.ops.triton."
@@ -62,9 +62,7 @@ def run_variant(model_dir, overrides, batch=32, adapters=32, prompt_len=512):
         runner.graphs = DecodeGraphs(runner.model, runner.inputs, batch, True, None)
         with ops.using_backend("triton"):
             runner.graphs.capture()
-    shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
-    paths = prepare_adapters(CACHE, Path(model_dir).name, shapes, list(range(adapters)), 16)
-    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
+    loras = random_adapter_requests(engine, model_dir, CACHE, adapters)
     sp = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [1000 + i] * prompt_len, sp, loras[i % adapters])

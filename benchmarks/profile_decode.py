@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex import LLM, SamplingParams
 from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import prepare_adapters, prepare_model_dir
+from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
 
 
 def main():
@@ -35,12 +35,8 @@ def main():
               max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
               enforce_eager=args.enforce_eager)
     engine, runner = llm.engine, llm.engine.runner
-    shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
     targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
-    paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes,
-                             list(range(args.adapters)), 16, targets,
-                             experts=dict(runner.adapter_targets.experts))
-    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
+    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters, targets=targets)
 
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
         sp = SamplingParams(temperature=1.0, max_tokens=args.steps + 20, ignore_eos=True)

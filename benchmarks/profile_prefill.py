@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import prepare_adapters, prepare_model_dir
+from loraplex import LLM, SamplingParams
+from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
 
 
 def prefill_steps(engine, loras, label, batch, prompt_len, seed):
@@ -117,11 +116,8 @@ def main():
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=args.adapters,
               max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 64,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    engine, runner = llm.engine, llm.engine.runner
-    shapes = {k: (q.in_features, q.out_features) for k, q in runner.projections.items()}
-    paths = prepare_adapters(Path(args.cache_dir), Path(model_dir).name, shapes,
-                             list(range(args.adapters)), 16, LINEAR_TARGETS)
-    loras = [LoRARequest(f"a{i}", i + 1, str(x)) for i, x in paths.items()]
+    engine = llm.engine
+    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters)
 
     for label, use in [("base", False), ("adapters", True), ("base", False), ("adapters", True)]:
         rows = []

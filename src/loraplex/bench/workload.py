@@ -67,6 +67,18 @@ def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
     return out, True
 
 
+def random_adapter_requests(engine, model_dir: str | Path, cache_dir: Path, count: int, rank: int = 16,
+                            targets: tuple[str, ...] = LINEAR_TARGETS) -> list:
+    """LoRARequests a0..a{count-1} for random adapters (prepare_adapters) that fit the
+    engine's model: its projections, and its experts when `targets` names them."""
+    from loraplex.types import LoRARequest
+
+    fits = engine.runner.adapter_targets
+    paths = prepare_adapters(cache_dir, Path(model_dir).name, dict(fits.projections),
+                             list(range(count)), rank, targets, experts=dict(fits.experts))
+    return [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in paths.items()]
+
+
 def prepare_adapters(
     cache_dir: Path, model_name: str, projections: dict[str, tuple[int, int]], indices: list[int],
     rank: int, targets: tuple[str, ...] = LINEAR_TARGETS, experts: dict | None = None,
