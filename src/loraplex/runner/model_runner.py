@@ -112,8 +112,9 @@ class ModelRunner:
         max_tokens = self.config.scheduler.max_num_batched_tokens
         moe_seen = set()
         for module in self.model.modules():
-            if hasattr(module, "warm_up_key") and module.warm_up_key() not in moe_seen:
-                moe_seen.add(module.warm_up_key())
+            key = module.warm_up_key() if hasattr(module, "warm_up_key") else None
+            if key is not None and key not in moe_seen:
+                moe_seen.add(key)
                 module.warm_up(max_tokens)
         if self.lora_slots is None:
             return
