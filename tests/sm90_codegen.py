@@ -59,6 +59,10 @@ def widths(ptx: str) -> dict:
     counts = Counter()
     for op, vec, bits in re.findall(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.(v[248]))?\.(b\d+)", ptx):
         counts[f"{op}.{vec + '.' if vec else ''}{bits}"] += 1
+    # Pipelined loops load global memory straight to shared memory: bytes per copy.
+    copy = r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)"
+    for size in re.findall(copy, ptx):
+        counts[f"cp.async.{int(size, 0)}"] += 1
     return dict(counts)
 
 
@@ -102,6 +106,14 @@ def kernels() -> dict:
         BLOCK_M=const(16),
         BLOCK_R=const(r), BLOCK_K=const(64), BLOCK_N=const(128), EVEN_K=const(True),
         EVEN_N=const(True), **tf32))
+    out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
+        in_ptr=bf, ids_ptr=i32, token_slot_ptr=i32, slot_mask_ptr=i32, ranks_ptr=i32, a_ptr=bf, b_ptr=bf,
+        delta_ptr=f32, K=h, N=2 * inter, num_pairs=5,
+        stride_im=h, stride_al=experts * r * h, stride_ae=r * h, stride_ar=h,
+        stride_bl=experts * 2 * inter * r, stride_be=2 * inter * r, stride_bn=r, stride_dm=2 * inter,
+        TOP_K=const(8), ROW_DIV=const(8), R=const(r), BLOCK_R=const(r), HAS_MASK=const(True),
+        HAS_RANKS=const(True), N_SPLIT=const(2), BLOCK_K=const(512), BLOCK_N=const(256),
+        EVEN_K=const(True), EVEN_N=const(True), NUM_STAGES=const(3)), num_warps=8)
     return {name: widths(ptx) for name, ptx in out.items()}
 
 

@@ -47,6 +47,13 @@ def test_bf16_outputs_are_not_read_or_written_one_element_at_a_time(counts, kern
     assert c.get("ld.b16", 0) == 0 and c.get("st.b16", 0) == 0, c
 
 
+def test_decode_expert_adapters_read_a_and_b_in_vectors(counts):
+    # A rows (contiguous along K) and B rows (rank-wide, masked at the rank rounded to 8),
+    # copied to shared memory by the pipelined loops.
+    c = counts["moe_lora_gemv"]
+    assert c.get("cp.async.16", 0) >= 2 and c.get("ld.b16", 0) == 0, c
+
+
 @pytest.mark.parametrize("kernel", ["lora_expand_sgmv", "moe_gemm_gate_up", "moe_gemm_down", "moe_lora"])
 def test_output_tiles_are_stored_in_16_byte_vectors(counts, kernel):
     c = counts[kernel]

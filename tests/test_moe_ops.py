@@ -96,9 +96,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned"], ids=["base", "lora_gemv", "lora_aligned"])
 @pytest.mark.parametrize("t,e,k,h,i,act,bias,blocks", CASES)
 def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora, dtype):
+    """Both expert-LoRA forms: per pair (decode-sized steps) and (slot, expert)-aligned."""
+    monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64 if with_lora == "gemv" else 0)
     if blocks == "small":  # w_gate_up is [E, 2I, H], w_down [E, H, I]
         monkeypatch.setattr(fused_moe, "gemm_config",
                             lambda w, *_: dict(SMALL_BLOCKS[w.shape[1] != 2 * i]))
@@ -165,10 +167,10 @@ def test_tuned_config_files(tmp_path, monkeypatch):
 
 def test_moe_warm_up_covers_every_config_a_step_can_pick(monkeypatch):
     """The engine compiles the expert kernels at start for one token count per distinct
-    (gate/up config, down config, expert-LoRA tile); every count up to the step budget
+    (gate/up config, down config, expert-LoRA form); every count up to the step budget
     must pick a combination one of them ran, with a multiple of 16 among them wherever
     one exists (Triton specializes on divisibility by 16)."""
-    from loraplex.ops.triton import moe_gemm, moe_lora
+    from loraplex.ops.triton import moe_gemm
 
     tuned = {16: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
              2048: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)}
@@ -180,7 +182,7 @@ def test_moe_warm_up_covers_every_config_a_step_can_pick(monkeypatch):
 
     def choice(t):
         return (moe_gemm.gemm_config(w_gu, t, 8), moe_gemm.gemm_config(w_d, t, 8),
-                moe_lora.lora_block_m(t * 8))
+                fused_moe.lora_form(t, 8, w_gu.device))
 
     counts = fused_moe.warm_up_token_counts(w_gu, w_d, 8, max_tokens)
     assert all(1 <= t <= max_tokens for t in counts) and len(counts) < 30

@@ -3,10 +3,13 @@ GEMM, weighted sum over each token's top_k outputs.
 
 The activation runs in the gate/up GEMM's epilogue and the routing weight in the down
 GEMM's. With adapters (MoELoRA) each delta must land before those, so it is computed
-first (moe_lora.py, over pairs aligned by (slot, expert)) and the GEMM's epilogue adds
-it to its float32 accumulator: the same launches as the base path plus a shrink and an
-expand per projection, and base + delta rounded once. Deltas are float32: adapters of
-the size of the base output, rounded to bf16 on their own, added ~40% to the error.
+first and the GEMM's epilogue adds it to its float32 accumulator: the same launches as
+the base path plus one adapter kernel per projection, and base + delta rounded once.
+Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every (slot, expert)
+group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py); larger
+ones sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
+Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
+own, added ~40% to the error.
 Every launch reads only device tensors and its grid depends on shapes only (no host
 sync: captured and replayed in a CUDA graph on an H100, matching eager bit for bit).
 """
@@ -20,6 +23,19 @@ from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
 from loraplex.ops.triton.moe_gemm import gemm_config, moe_gemm
 from loraplex.ops.triton.moe_lora import lora_block_m, moe_lora
+from loraplex.ops.triton.moe_lora_gemv import moe_lora_gemv, splits_per_pair
+
+# Up to this many tokens the expert adapters run per pair (GEMV form), as the dense LoRA
+# kernels do (ops/triton/__init__.py GEMV_MAX_TOKENS): decode graph buckets stay below.
+GEMV_MAX_TOKENS = 64
+
+
+def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
+    """The expert-LoRA kernel variant a step of num_tokens runs: ("gemv", programs per
+    pair) or ("aligned", BLOCK_M of the (slot, expert) alignment)."""
+    if num_tokens <= GEMV_MAX_TOKENS:
+        return "gemv", splits_per_pair(num_tokens * top_k, device)
+    return "aligned", lora_block_m(num_tokens * top_k)
 
 
 def fused_experts(
@@ -48,20 +64,27 @@ def fused_experts(
                else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
     weights = topk_weights.float().contiguous()
 
-    delta_gu = delta_d = align_l = None
+    delta_gu = delta_d = None
     if lora is not None:
-        align_l = align_lora(topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0],
-                             lora_block_m(p), lora.slot_mask)
-        delta_gu = torch.empty(p, two_i, dtype=torch.float32, device=dev)
-        moe_lora(x, lora.a_gate_up, lora.b_gate_up, delta_gu, align_l, top_k,
-                 lora.ranks[0] if lora.ranks is not None else None)
+        form, block_m = lora_form(t, top_k, dev)
+        align_l = None if form == "gemv" else align_lora(
+            topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0], block_m, lora.slot_mask)
+
+        def adapter_delta(inp, a, b, row_div, which):
+            delta = torch.empty(p, b.shape[2], dtype=torch.float32, device=dev)
+            ranks = lora.ranks[which] if lora.ranks is not None else None
+            if align_l is None:
+                moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
+            else:
+                moe_lora(inp, a, b, delta, align_l, row_div, ranks)
+            return delta
+
+        delta_gu = adapter_delta(x, lora.a_gate_up, lora.b_gate_up, top_k, 0)
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     moe_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, activation, limit,
              delta=delta_gu, lora=lora, top_k=top_k)
     if lora is not None:
-        delta_d = torch.empty(p, hidden, dtype=torch.float32, device=dev)
-        moe_lora(h, lora.a_down, lora.b_down, delta_d, align_l, 1,
-                 lora.ranks[1] if lora.ranks is not None else None)
+        delta_d = adapter_delta(h, lora.a_down, lora.b_down, 1, 1)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
              delta=delta_d, lora=lora, top_k=top_k)
@@ -78,7 +101,7 @@ def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: i
     ranges: dict[tuple, list[int]] = {}
     for t in range(1, max_tokens + 1):
         key = (tuple(gemm_config(w_gate_up, t, top_k).items()),
-               tuple(gemm_config(w_down, t, top_k).items()), lora_block_m(t * top_k))
+               tuple(gemm_config(w_down, t, top_k).items()), lora_form(t, top_k, w_gate_up.device))
         ranges.setdefault(key, []).append(t)
     counts = set()
     for ts in ranges.values():
