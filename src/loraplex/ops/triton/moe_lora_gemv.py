@@ -47,21 +47,23 @@ def _moe_lora_gemv_kernel(
 ):
     pair = tl.program_id(0)
     split = tl.program_id(1)
+    # Loads are issued before the branches that need them, two round trips in all: the
+    # slot with the expert, then the slot's mask with its rank.
     slot = tl.load(token_slot_ptr + pair // TOP_K)
-    if slot < 0:
-        return
-    if HAS_MASK:
-        if tl.load(slot_mask_ptr + slot) == 0:
-            return
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    valid = slot >= 0
     r = tl.arange(0, BLOCK_R)
+    if HAS_MASK:
+        valid &= tl.load(slot_mask_ptr + slot, mask=valid, other=0) != 0
     if HAS_RANKS:  # A and B are zero past the slot's rank: not read (B up to the rank
         # rounded to 8, whole 16-byte vectors)
-        rank = tl.load(ranks_ptr + slot)
+        rank = tl.load(ranks_ptr + slot, mask=slot >= 0, other=0)
         a_mask, b_mask = r < rank, r < rank_ceil(rank)
     else:
         a_mask = r < R
         b_mask = a_mask
+    if not valid:
+        return
     slot = slot.to(tl.int64)
     in_row = in_ptr + (pair // ROW_DIV).to(tl.int64) * stride_im
     a_rows = a_ptr + slot * stride_al + expert * stride_ae + r[:, None] * stride_ar
