@@ -24,9 +24,9 @@ import triton.language as tl
 from loraplex.ops.triton.lora_common import rank_ceil
 
 # Tuned on H200 at 16 decode tokens, Qwen3-30B-A3B and gpt-oss-20b experts
-# (benchmarks/decode_lora_probe.py; benchmarks/NOTES.md).
-# Tiles by element count, so a lower rank gets longer tiles of the same bytes (rank 32:
-# A tiles of 512 columns and B tiles of 256 rows; rank 16: 1024 and 512).
+# (benchmarks/decode_lora_probe.py; benchmarks/NOTES.md). Tiles are sized by element
+# count, so a lower rank gets longer tiles of the same bytes (rank 32: A tiles of 512
+# columns and B tiles of 256 rows; rank 16: 1024 and 512).
 A_TILE, B_TILE, NUM_WARPS = 16384, 8192, 8
 # Software-pipelined loops (tl.range num_stages: the next tiles' loads are in flight
 # while this one is multiplied): a program is a chain of ~10 dependent tile loads, and
@@ -40,8 +40,7 @@ def _moe_lora_gemv_kernel(
     K, N, num_pairs,
     stride_im, stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_dm,
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
