@@ -21,6 +21,9 @@ for step in $STEPS; do
       timeout 300 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" | tail -60 ;;
     profile)
       timeout 300 python3 benchmarks/profile_decode.py --cache-dir /tmp/lp 2>&1 | grep -v "it/s" > "$OUT/profile.txt"; grep -E "engine step|Self CUDA" "$OUT/profile.txt" ;;
+    probe)  # adapter kernels of a decode step, isolated: MoE experts and Llama projections
+      timeout 300 python3 benchmarks/decode_lora_probe.py --out "$OUT/probe.json" 2>&1 | grep -v -i warn \
+        | tee "$OUT/probe.txt" | grep -v "^ " ;;
     variants)
       timeout 400 python3 benchmarks/decode_variants.py 2>&1 | grep -v "it/s" | grep -v "^loraplex" | tee "$OUT/variants.txt" ;;
     bench)
