@@ -181,24 +181,6 @@ def test_mixed_batch_with_and_without_expert_adapters(moe_dir, expert_adapters, 
             assert x.outputs[0].token_ids == y.outputs[0].token_ids
 
 
-def test_router_adapters_take_their_steps_out_of_decode_graphs(moe_dir, expert_adapters):
-    """A decode graph runs every adapted layer it captured for any batch, so the router
-    (rarely adapted) is left out of them; a slot whose adapter adapts it is marked, and
-    steps with its tokens run eagerly (as on the GPU, where the tests above check them)."""
-    llm = make_llm(moe_dir, max_loras=2)
-    routers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "router_name")]
-    assert routers and all(not getattr(m, m.router_name).in_graphs for m in routers)
-    slots = llm.engine.runner.lora_slots
-    llm.generate(["t1 t2"], SP, LoRARequest("down", 1, str(expert_adapters["down"])))
-    assert not slots.graphless_slots
-    llm.generate(["t1 t2"], SP, LoRARequest("fused", 2, str(expert_adapters["fused"])))  # q_proj + router
-    assert len(slots.graphless_slots) == 1
-    for _ in range(2):  # evicted by adapters without router weights: the mark goes with it
-        llm.generate(["t1 t2"], SP, LoRARequest("down", 1, str(expert_adapters["down"])))
-        llm.generate(["t1 t2"], SP, LoRARequest("per-expert", 3, str(expert_adapters["per_expert"])))
-    assert not slots.graphless_slots
-
-
 def _write_adapter(path, config, tensors):
     path.mkdir()
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))

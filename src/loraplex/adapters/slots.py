@@ -51,9 +51,6 @@ class LoRASlotBuffers:
         self.layers = list(self._layer_by_id.values())
         self.max_loras = max_loras
         self.dora_slots: set[int] = set()  # slots holding a DoRA adapter
-        # Slots whose adapter has weights on a layer CUDA graphs leave out (a LoRALinear
-        # with in_graphs False, the MoE router): their steps run eagerly, as DoRA's do.
-        self.graphless_slots: set[int] = set()
         # Per slot: (layer id, slice) or (experts path, 0 gate_up / 1 down) -> rank of the
         # columns last written there.
         self._written: list[dict[tuple, int]] = [{} for _ in range(max_loras)]
@@ -131,10 +128,6 @@ class LoRASlotBuffers:
                 layer.lora_b[slot, layer.slice_rows(i), r:old_r].zero_()
         self._written[slot] = written
         self.ranks[slot] = adapter.rank
-        if any(not getattr(self._layer_by_id.get(owner), "in_graphs", True) for owner, _ in written):
-            self.graphless_slots.add(slot)
-        else:
-            self.graphless_slots.discard(slot)
         if slot in self.dora_slots:
             for layer in self.layers:
                 if layer.lora_scale is not None:
@@ -185,7 +178,6 @@ class LoRASlotBuffers:
             x.lora_ranks[:, slot] = 0
         self._written[slot] = {}
         self.ranks[slot] = 0
-        self.graphless_slots.discard(slot)
         for layer in self.layers:
             if layer.lora_scale is not None:
                 layer.lora_scale[slot] = 1.0

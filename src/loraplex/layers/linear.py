@@ -38,10 +38,6 @@ class LoRALinear(nn.Module):
         # m / ||W + s B A|| per slot (1 where a slot's adapter is not DoRA); the last row,
         # all ones, is for base-model tokens.
         self.lora_scale: torch.Tensor | None = None
-        # False: CUDA graphs leave this layer's LoRA out (a decode graph runs every adapted
-        # layer for any batch, so a rarely adapted one, the MoE router, would cost every
-        # step its kernels); steps whose adapters have weights here run eagerly instead.
-        self.in_graphs = True
 
     def slice_rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -49,8 +45,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context() if self.lora_a is not None else None
-        if ctx is None or ctx.lora is None or not ctx.lora.active or (
-                not self.in_graphs and x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if ctx is None or ctx.lora is None or not ctx.lora.active:
             return F.linear(x, self.weight, self.bias)
         if ctx.aux_stream is None:
             buf = ops.lora_shrink(x, self.lora_a, ctx.lora)

@@ -67,9 +67,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         # The router is named as in the checkpoint (Qwen3-MoE, Mixtral: `gate`).
         self.router_name = router_name
-        router = LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias)
-        router.in_graphs = False  # router adapters are rare: their decode steps run eagerly
-        setattr(self, router_name, router)
+        setattr(self, router_name, LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias))
         self.experts = Experts(cfg, bias=bias)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit

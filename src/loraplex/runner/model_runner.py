@@ -273,10 +273,9 @@ class ModelRunner:
                 torch.cuda.current_stream().wait_event(ready)
         ranks = self.lora_slots.ranks if self.lora_slots else []
         dora = self.lora_slots.dora_slots if self.lora_slots else set()
-        eager = dora | self.lora_slots.graphless_slots if self.lora_slots else set()
         graph_size = None
         if (self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks)
-                and not any(c.lora_slot in eager for c in plan.chunks)):  # DoRA, router LoRA: eager
+                and not any(c.lora_slot in dora for c in plan.chunks)):  # DoRA runs eager
             graph_size = self.graphs.padded_size(len(plan.chunks))
         inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size, dora_slots=dora)
         self._feed_pending_tokens(plan, inputs.input_ids)
