@@ -83,10 +83,11 @@ def moe_case(name, e, h, i, k, layers, t, slots, rank):
         moe_lora_gemv.splits_per_pair = lambda *a, ns=ns: ns
         timed(f"{name} + adapters, per pair, n_split {ns}", lambda: run(True), layers)
     moe_lora_gemv.splits_per_pair = orig
+    gemv_max = fused_moe.GEMV_MAX_TOKENS
     fused_moe.GEMV_MAX_TOKENS = 0
     out_aligned = fused_moe.fused_experts(x, weights, ids, w_gu[0], w_d[0], lora=loras[0])
     timed(f"{name} + adapters, aligned by (slot, expert)", lambda: run(True), layers)
-    fused_moe.GEMV_MAX_TOKENS = 64
+    fused_moe.GEMV_MAX_TOKENS = gemv_max
     print(f"  per pair vs aligned: rel diff {rel(out_gemv, out_aligned):.2e}")
     # Kernels alone, gate/up projection.
     p = t * k

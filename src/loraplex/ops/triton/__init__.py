@@ -11,6 +11,7 @@ from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.kv_cache import write_kv_cache
+from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
 from loraplex.ops.triton.lora_shrink_gemv import lora_shrink_gemv
@@ -21,10 +22,6 @@ from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
 from loraplex.ops.triton.rotary import rotary_embedding
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
 from loraplex.ops.triton.token_sum import sum_rows_by_token
-
-# Up to this many tokens a step runs the GEMV (per-token) LoRA kernels, above it the
-# segmented GEMMs: decode batches are at most this large per CUDA graph bucket.
-GEMV_MAX_TOKENS = 64
 
 
 def lora_shrink(x, lora_a, batch):

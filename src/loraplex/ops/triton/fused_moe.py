@@ -19,15 +19,12 @@ from __future__ import annotations
 import torch
 
 from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
 from loraplex.ops.triton.moe_gemm import gemm_config, moe_gemm
 from loraplex.ops.triton.moe_lora import lora_block_m, moe_lora
 from loraplex.ops.triton.moe_lora_gemv import moe_lora_gemv, splits_per_pair
-
-# Up to this many tokens the expert adapters run per pair (GEMV form), as the dense LoRA
-# kernels do (ops/triton/__init__.py GEMV_MAX_TOKENS): decode graph buckets stay below.
-GEMV_MAX_TOKENS = 64
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:

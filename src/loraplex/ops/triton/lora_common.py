@@ -1,5 +1,5 @@
-"""What the LoRA kernels share: the tiles a segmented launch covers, slice offsets and
-the alignment hints that let them move whole 16-byte vectors.
+"""What the LoRA kernels share: where the GEMV form ends, the tiles a segmented launch
+covers, slice offsets and the alignment hints that let them move whole 16-byte vectors.
 
 Tiles: which (adapter group, token block) pairs a segmented (SGMV) launch covers.
 
@@ -20,6 +20,11 @@ import triton.language as tl
 
 from loraplex.device import to_device
 from loraplex.ops.metadata import LoRABatch
+
+# Up to this many tokens a step runs the GEMV (per-token, or per (token, expert) pair on
+# experts) LoRA kernels, above it the segmented / aligned GEMMs: decode batches are at
+# most this large per CUDA graph bucket.
+GEMV_MAX_TOKENS = 64
 
 
 def lora_tiles(batch: LoRABatch, num_tokens: int, block_m: int) -> tuple[torch.Tensor | None, int]:
