@@ -24,6 +24,19 @@ for step in $STEPS; do
     probe)  # adapter kernels of a decode step, isolated: MoE experts and Llama projections
       timeout 300 python3 benchmarks/decode_lora_probe.py --out "$OUT/probe.json" 2>&1 | grep -v -i warn \
         | tee "$OUT/probe.txt" | grep -v "^ " ;;
+    breakdown)  # one decode step op by op, per model (the bench's MoE shapes; routing stats on, as there)
+      timeout 200 python3 benchmarks/decode_breakdown.py --model qwen3-30b-a3b --batch 16 --prompt-len 1600 \
+        --adapters 16 --expert-adapters --routing-stats ${BD_ARGS:-} --cache-dir /tmp/lp \
+        --out "$OUT/breakdown-qwen3.json" 2>&1 | grep -v -i warn | tee "$OUT/breakdown-qwen3.txt" | tail -70
+      timeout 150 python3 benchmarks/decode_breakdown.py --model gpt-oss-20b --batch 16 --prompt-len 1600 \
+        --adapters 16 --expert-adapters --routing-stats ${BD_ARGS:-} --cache-dir /tmp/lp \
+        --out "$OUT/breakdown-gpt-oss.json" 2>&1 | grep -v -i warn | tee "$OUT/breakdown-gpt-oss.txt" | tail -70
+      timeout 150 python3 benchmarks/decode_breakdown.py --model llama-3.1-8b --batch 32 --prompt-len 512 \
+        --adapters 32 ${BD_ARGS:-} --cache-dir /tmp/lp --out "$OUT/breakdown-llama.json" 2>&1 \
+        | grep -v -i warn | tee "$OUT/breakdown-llama.txt" | tail -50 ;;
+    attention)  # decode attention configs on the benchmarked models' shapes
+      timeout 400 python3 benchmarks/attention_sweep.py --out "$OUT/attention.json" 2>&1 | grep -v -i warn \
+        | tee "$OUT/attention.txt" ;;
     variants)
       timeout 400 python3 benchmarks/decode_variants.py 2>&1 | grep -v "it/s" | grep -v "^loraplex" | tee "$OUT/variants.txt" ;;
     bench)

@@ -141,7 +141,7 @@ def attention_shared_memory() -> dict:
                         **common)
             out[f"attention {kind} {dtype} d{d}"] = compile_sm90(
                 pa._paged_attention_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
-        cfg = pd.decode_config(group)
+        cfg = pd.decode_config(group, d * size)
         args = dict(acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", splits=4, num_heads=32,
                     BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
                     PARTITION=const(pd.PARTITION_SIZE), **common)

@@ -128,10 +128,14 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
 
     args = (x, w_gu, w_d, b_gu, b_d, lora)
     xe, wgu, wd, bgu, bd, lo = (cast(v, torch.float32) for v in args)
-    expected = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit)
+    stats_ref = torch.tensor([1.0, 2.0])  # routing stats (experts hit, calls) add up
+    expected = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit, stats_ref)
     xg, wgu, wd, bgu, bd, lo = (cast(v, dtype, DEVICE) for v in args)
+    stats = torch.tensor([1.0, 2.0], device=DEVICE)
     with ops.using_backend("triton"):
-        out = ops.fused_experts(xg, weights.to(DEVICE), ids.to(DEVICE), wgu, wd, act, bgu, bd, lo, limit)
+        out = ops.fused_experts(xg, weights.to(DEVICE), ids.to(DEVICE), wgu, wd, act, bgu, bd, lo, limit,
+                                stats)
+    assert stats.cpu().tolist() == stats_ref.tolist() == [1 + len(ids.unique()), 3]
     assert out.dtype == dtype and out.shape == (t, h)
     err = (out.cpu().float() - expected).norm() / expected.norm()
     assert err <= REL_TOL[dtype], err

@@ -76,12 +76,9 @@ class SparseMoE(nn.Module):
         logits = getattr(self, self.router_name)(x)
         weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
         e = self.experts
-        stats = get_forward_context().moe_stats
-        if stats is not None:
-            hit = torch.zeros(e.num_experts, dtype=torch.float32, device=x.device)
-            stats += torch.stack([hit.index_fill_(0, ids.flatten().long(), 1.0).sum(), stats.new_ones(())])
         return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
-                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit)
+                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
+                                 get_forward_context().moe_stats)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""

@@ -191,6 +191,7 @@ def fused_experts(
     b_down: torch.Tensor | None = None,
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
+    routing_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
@@ -199,10 +200,12 @@ def fused_experts(
     "swiglu_oai" (gpt-oss: clamped at swiglu_limit, g * sigmoid(1.702 g) * (u + 1)).
     With `lora`, a token in slot s adds (x A_se^T) B_se^T to gate_up_e's output
     (before the activation) and (h A'_se^T) B'_se^T to down_e's (before the weight).
+    routing_stats, float32 [2] (measuring only): (distinct experts in topk_ids, 1) is
+    added to it, on the device, without a launch of its own where the backend can.
     Returns [T, H] in x's dtype.
     """
     return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
-                               b_gate_up, b_down, lora, swiglu_limit)
+                               b_gate_up, b_down, lora, swiglu_limit, routing_stats)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -47,10 +47,15 @@ def fused_experts(
     b_down: torch.Tensor | None = None,
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
+    routing_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
     the adapter delta per (slot, expert) group of those pairs."""
     t, k = topk_ids.shape
+    if routing_stats is not None:
+        hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)
+        hit[topk_ids.flatten().long()] = 1.0
+        routing_stats += torch.stack([hit.sum(), hit.new_ones(())])
     out = torch.zeros(t, w_down.shape[1], dtype=torch.float32, device=x.device)
     slot = lora.token_slot[:t].long() if lora is not None else None
     for e in topk_ids.unique().tolist():

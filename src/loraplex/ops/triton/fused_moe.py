@@ -46,6 +46,7 @@ def fused_experts(
     b_down: torch.Tensor | None = None,
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
+    routing_stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
     limit = check_activation(activation, swiglu_limit)
@@ -56,7 +57,7 @@ def fused_experts(
         return x.new_empty(0, hidden)
     p, dev = t * top_k, x.device
     cfg_gu, cfg_d = gemm_config(w_gate_up, t, top_k), gemm_config(w_down, t, top_k)
-    align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"])
+    align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
     align_d = (align_gu if cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
                else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
     weights = topk_weights.float().contiguous()

@@ -52,9 +52,10 @@ def _slot_key(expert, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts
 @triton.jit(do_not_specialize=["num_pairs", "top_k", "num_experts", "num_groups", "num_blocks"])
 def _moe_align_kernel(
     ids_ptr, slots_ptr, slot_mask_ptr, counts_ptr, starts_ptr, ranks_ptr,
-    sorted_ids_ptr, block_groups_ptr, num_valid_ptr,
+    sorted_ids_ptr, block_groups_ptr, num_valid_ptr, stats_ptr,
     num_pairs, top_k, num_experts, num_groups, num_blocks,
-    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     offs = tl.arange(0, CHUNK)
     # 0. Initialise: zero counters, sentinel everywhere, no group for any block.
@@ -78,6 +79,7 @@ def _moe_align_kernel(
     # 2. Segment starts: exclusive prefix sum of the counts padded to BLOCK_M; each
     # non-empty group marks its first block.
     total = 0
+    hit = 0
     for g0 in range(0, num_groups, CHUNK):
         g = g0 + offs
         count = tl.load(counts_ptr + g, mask=g < num_groups, other=0, volatile=True)
@@ -86,7 +88,11 @@ def _moe_align_kernel(
         tl.store(starts_ptr + g, start, mask=g < num_groups)
         tl.store(block_groups_ptr + start // BLOCK_M, g, mask=(g < num_groups) & (padded > 0))
         total += tl.sum(padded, 0)
+        hit += tl.sum((count > 0).to(tl.int32), 0)
     tl.store(num_valid_ptr, total)
+    if HAS_STATS:  # measuring: (groups hit, calls) added to float32 stats
+        tl.atomic_add(stats_ptr, hit.to(tl.float32))
+        tl.atomic_add(stats_ptr + 1, 1.0)
     tl.debug_barrier()
     # 3. Blocks take the last mark at or before them (groups ascend with blocks).
     run = -1
@@ -109,7 +115,8 @@ def _moe_align_kernel(
 
 
 def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts: int,
-           num_groups: int, block_m: int, slot_mask: torch.Tensor | None = None) -> Alignment:
+           num_groups: int, block_m: int, slot_mask: torch.Tensor | None = None,
+           stats: torch.Tensor | None = None) -> Alignment:
     t, top_k = topk_ids.shape
     p = t * top_k
     num_blocks = triton.cdiv(p + min(num_groups, p) * (block_m - 1), block_m)
@@ -122,18 +129,20 @@ def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts:
             topk_ids.contiguous(), token_slot if token_slot is not None else work,
             slot_mask if slot_mask is not None else work,
             work, work[num_groups:], work[2 * num_groups:],
-            out, out[size:], out[size + num_blocks:],
+            out, out[size:], out[size + num_blocks:], stats if stats is not None else work,
             p, top_k, num_experts, num_groups, num_blocks,
             BLOCK_M=block_m, HAS_SLOTS=token_slot is not None, HAS_MASK=slot_mask is not None,
-            CHUNK=CHUNK, num_warps=NUM_WARPS,
+            HAS_STATS=stats is not None, CHUNK=CHUNK, num_warps=NUM_WARPS,
         )
     return Alignment(out[:size], out[size:size + num_blocks], out[size + num_blocks:], num_blocks,
                      block_m, p)
 
 
-def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """Pairs of topk_ids [T, top_k] grouped by expert."""
-    return _align(topk_ids, None, num_experts, num_experts, block_m)
+def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                  stats: torch.Tensor | None = None) -> Alignment:
+    """Pairs of topk_ids [T, top_k] grouped by expert. stats (float32 [2], measuring
+    only): the number of experts hit, and 1, are added to it in the same launch."""
+    return _align(topk_ids, None, num_experts, num_experts, block_m, stats=stats)
 
 
 def align_lora(topk_ids: torch.Tensor, token_slot: torch.Tensor, num_experts: int,

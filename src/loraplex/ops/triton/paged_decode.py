@@ -29,29 +29,35 @@ from loraplex.ops.metadata import AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.precision import dot_settings
 
-# Keys per partition. 256 splits a ~600-token context 3 ways (768 programs for 32 seqs x
-# 8 KV heads: ~2 waves on an H200 with no program longer than 256 keys); 512 would leave
-# a 2:1 imbalance there. A multiple of BLOCK_N.
+# Keys per partition: a split covers whole partitions of its sequence's context, so a
+# 600-token context splits at most 3 ways. A multiple of BLOCK_N.
 PARTITION_SIZE = 256
-# Split only to fill the GPU: up to about this many programs (2 per SM on an H200). With
-# 32 sequences x 8 KV heads there is no split: measured on an H200 (bf16, head_dim 128,
-# GQA 4), 3 splits of a 640-token context took 30.2 us against 27.5 us unsplit (the extra
-# launch and partial traffic), and 4 splits of 2048 tokens 72.5 against 75.1 us. With
-# few sequences (long-context, small-batch decode) splitting is what fills the SMs.
-TARGET_PROGRAMS = 264
+# Split up to about this many programs (8 per SM on an H200). Measured there
+# (`benchmarks/attention_sweep.py`, bf16, contexts of 1,650 tokens in a 2,200-token table,
+# us per call): Qwen3-30B-A3B (16 seqs x 4 KV heads, D 128) 25.7 -> 21.5, gpt-oss-20b's
+# full layers (16 x 8, D 64) 34.7 -> 20.1 with 264 programs and 64-key tiles before;
+# Llama-3.1-8B (32 x 8, 600 tokens) 27.1 unsplit, 27.0 in 4 splits. Each model's best
+# was within ~1 us of these (4 splits of ~400 keys for both MoE shapes).
+TARGET_PROGRAMS = 1056
 MAX_SPLITS = 64  # the merge holds one head's partials in one [MAX_SPLITS, BLOCK_D] tile
+# The split kernel's key tile and launch: 128-key tiles halve the loop trips of 64
+# (Qwen3 25.7 -> 20.1 us at 264 programs); more warps or stages gained nothing. Tiles
+# of wider rows (float32, head_dim 256) are cut to TILE_BYTES so they fit in shared memory.
+BLOCK_N, NUM_WARPS, NUM_STAGES, TILE_BYTES = 128, 4, 2, 32768
 
 
-def decode_config(group: int) -> dict:
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=min(64, PARTITION_SIZE),
-                num_warps=4, num_stages=2)
+def decode_config(group: int, row_bytes: int) -> dict:
+    """row_bytes: one key's head vector (padded head_dim x element size)."""
+    block_n = min(BLOCK_N, PARTITION_SIZE, max(16, TILE_BYTES // row_bytes))
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+                num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def num_splits(batch: AttentionBatch, page: int, num_kv_heads: int, sliding_window: int | None) -> int:
     """Programs per (sequence, KV head), from host-known values only (graph safe)."""
     span = batch.block_tables.shape[1] * page  # bounds every context of the batch
     if sliding_window is not None:  # visible keys start at most BLOCK_N - 1 before the window
-        span = min(span, sliding_window + decode_config(1)["BLOCK_N"] - 1)
+        span = min(span, sliding_window + min(BLOCK_N, PARTITION_SIZE) - 1)
     fill = TARGET_PROGRAMS // max(1, batch.num_seqs * num_kv_heads)
     return max(1, min(triton.cdiv(span, PARTITION_SIZE), fill, MAX_SPLITS))
 
@@ -190,7 +196,8 @@ def paged_decode(
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs = batch.num_seqs
-    cfg = decode_config(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    cfg = decode_config(group, block_d * q.element_size())
     assert PARTITION_SIZE % cfg["BLOCK_N"] == 0, "a partition is whole key tiles"
     out = torch.empty_like(q)
     # All attention calls on a device share the scratch: they run in stream order, and a
@@ -198,7 +205,6 @@ def paged_decode(
     n = num_seqs * num_heads * splits
     buf = _scratch_buffer(n * (head_dim + 2), q.device)
     acc, m, l_s = buf[: n * head_dim], buf[n * head_dim : n * (head_dim + 1)], buf[n * (head_dim + 1) :]
-    block_d = max(16, triton.next_power_of_2(head_dim))
     window = sliding_window or 0
     common = dict(PARTITION=PARTITION_SIZE, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=sliding_window is not None)
     _decode_split_kernel[(splits, num_seqs, num_kv_heads)](

@@ -1,0 +1,188 @@
+"""Where one decode step's GPU time goes, op by op.
+
+The runner's decode CUDA graph for the batch is timed as it is; then the same forward is
+captured again with timing events (recorded inside the graph) around every `ops.*` call,
+every MoE pipeline stage and every projection, replayed, and the time between each pair
+summed per kind. The events add a little time of their own: compare their total with
+the plain graph's.
+
+    python benchmarks/decode_breakdown.py --model qwen3-30b-a3b --batch 16 --prompt-len 1600 \
+        --adapters 16 --expert-adapters [--routing-stats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from loraplex import LLM, SamplingParams, ops
+from loraplex.bench.synthetic import LINEAR_TARGETS
+from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
+from loraplex.layers.context import ForwardContext, forward_context
+from loraplex.layers.linear import LoRALinear
+from loraplex.ops.triton import fused_moe
+
+OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
+       "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
+       "gelu_tanh_and_mul")
+MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_lora_gemv", "moe_lora")
+
+
+class Marks:
+    """(name, start, end) timing events recorded on the current stream during capture."""
+
+    def __init__(self):
+        self.marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def wrap(self, name, fn):
+        def timed(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True, external=True)
+            end = torch.cuda.Event(enable_timing=True, external=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.marks.append((name, start, end))
+            return out
+        return timed
+
+    def hook_module(self, module, name):
+        state = {}
+
+        def pre(mod, args):
+            state["start"] = torch.cuda.Event(enable_timing=True, external=True)
+            state["start"].record()
+
+        def post(mod, args, out):
+            end = torch.cuda.Event(enable_timing=True, external=True)
+            end.record()
+            self.marks.append((name, state.pop("start"), end))
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def patched(targets):
+    """Replace module attributes; returns an undo list."""
+    undo = []
+    for mod, name, new in targets:
+        undo.append((mod, name, getattr(mod, name)))
+        setattr(mod, name, new)
+    return undo
+
+
+def time_graph(replay, iters=50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    start.record()
+    for _ in range(iters):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def breakdown(runner, size: int, use: bool, refill, replays: int = 20) -> dict:
+    marks = Marks()
+    with torch.inference_mode(), ops.using_backend(runner.config.ops_backend):
+        step = runner.inputs.graph_inputs(size, use)
+        ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=runner.aux_stream,
+                             moe_stats=runner.moe_stats)
+        with forward_context(ctx):
+            runner.model(step.input_ids, step.positions)  # warm-up, unmarked
+            torch.cuda.synchronize()
+            undo = patched([(ops, n, marks.wrap(n, getattr(ops, n))) for n in OPS]
+                           + [(fused_moe, n, marks.wrap("moe." + n, getattr(fused_moe, n)))
+                              for n in MOE_STAGES])
+            hooks = []
+            for name, module in runner.model.named_modules():
+                if isinstance(module, LoRALinear):
+                    hooks += marks.hook_module(module, "linear." + "+".join(module.slice_names))
+                elif type(module).__name__ in ("SelfAttention", "SparseMoE", "GatedMLP"):
+                    hooks += marks.hook_module(module, "block." + type(module).__name__)
+                elif name.endswith(".layers.0"):
+                    hooks += marks.hook_module(module, "one decoder layer (the first)")
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    runner.model(step.input_ids, step.positions)
+            finally:
+                for h in hooks:
+                    h.remove()
+                patched(undo)
+    refill()  # graph_inputs padded the buffers: a real step fills them again
+    total = time_graph(graph.replay)
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, s, e in marks.marks:
+            sums[name] += s.elapsed_time(e) / replays
+    for name, _, _ in marks.marks:
+        counts[name] += 1
+    order = sorted(sums, key=lambda k: -sums[k])
+    return {"graph_with_events_ms": total,
+            "ops": {n: {"ms_per_step": sums[n], "calls": counts[n],
+                        "us_per_call": 1e3 * sums[n] / counts[n]} for n in order}}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    p.add_argument("--routing-stats", action="store_true",
+                   help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
+    p.add_argument("--out", default=None, help="JSON results")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    args = p.parse_args()
+
+    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
+              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
+              measure_moe_routing=args.routing_stats)
+    engine, runner = llm.engine, llm.engine.runner
+    targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
+    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters, targets=targets)
+    results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
+               "routing_stats": args.routing_stats, "runs": {}}
+    runs = [("base", False)] + ([(f"{args.adapters} adapters", True)] if args.adapters else [])
+    for label, use in runs:
+        sp = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
+        for i in range(args.batch):
+            lora = loras[i % len(loras)] if use else None
+            engine.add_request(f"{label}-{i}", [1000 + i] * args.prompt_len, sp, lora)
+        while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        size = runner.graphs.padded_size(args.batch)
+        plain = time_graph(lambda: runner.graphs.replay(size, use))
+
+        def refill():
+            for _ in range(2):
+                engine.step()
+            torch.cuda.synchronize()
+        run = breakdown(runner, size, use, refill)
+        run["graph_ms"] = plain
+        results["runs"][label] = run
+        print(f"\n[{args.model} {label}] decode graph {plain:.3f} ms; with events "
+              f"{run['graph_with_events_ms']:.3f} ms")
+        print(f"  {'op':44s} {'ms/step':>8s} {'calls':>6s} {'us/call':>8s}")
+        for name, r in run["ops"].items():
+            print(f"  {name:44s} {r['ms_per_step']:8.3f} {r['calls']:6d} {r['us_per_call']:8.2f}")
+        for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort_request(r.request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
