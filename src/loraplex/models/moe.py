@@ -75,10 +75,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)
         weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
-        e = self.experts
+        e, ctx = self.experts, get_forward_context()
         return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
                                  e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
-                                 get_forward_context().moe_stats)
+                                 ctx.moe_stats, ctx.aux_stream)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""

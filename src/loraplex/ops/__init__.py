@@ -192,6 +192,7 @@ def fused_experts(
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
+    side_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
@@ -202,10 +203,13 @@ def fused_experts(
     (before the activation) and (h A'_se^T) B'_se^T to down_e's (before the weight).
     routing_stats, float32 [2] (measuring only): (distinct experts in topk_ids, 1) is
     added to it, on the device, without a launch of its own where the backend can.
+    side_stream (CUDA, optional): a stream the backend may run work on beside the current
+    one (the gate/up adapter deltas beside the expert alignment); it must not be in use
+    elsewhere during the call. No effect on any result.
     Returns [T, H] in x's dtype.
     """
     return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
-                               b_gate_up, b_down, lora, swiglu_limit, routing_stats)
+                               b_gate_up, b_down, lora, swiglu_limit, routing_stats, side_stream)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

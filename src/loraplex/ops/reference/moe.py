@@ -48,9 +48,10 @@ def fused_experts(
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
+    side_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
-    the adapter delta per (slot, expert) group of those pairs."""
+    the adapter delta per (slot, expert) group of those pairs. One stream."""
     t, k = topk_ids.shape
     if routing_stats is not None:
         hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)

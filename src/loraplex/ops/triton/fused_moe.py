@@ -47,6 +47,7 @@ def fused_experts(
     lora: MoELoRA | None = None,
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
+    side_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
     limit = check_activation(activation, swiglu_limit)
@@ -57,32 +58,50 @@ def fused_experts(
         return x.new_empty(0, hidden)
     p, dev = t * top_k, x.device
     cfg_gu, cfg_d = gemm_config(w_gate_up, t, top_k), gemm_config(w_down, t, top_k)
-    align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
-    align_d = (align_gu if cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
-               else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
     weights = topk_weights.float().contiguous()
 
-    delta_gu = delta_d = None
+    align_l = delta_gu = delta_d = None
     if lora is not None:
         form, block_m = lora_form(t, top_k, dev)
-        align_l = None if form == "gemv" else align_lora(
-            topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0], block_m, lora.slot_mask)
 
-        def adapter_delta(inp, a, b, row_div, which):
-            delta = torch.empty(p, b.shape[2], dtype=torch.float32, device=dev)
+        def adapter_delta(inp, a, b, row_div, which, delta):
             ranks = lora.ranks[which] if lora.ranks is not None else None
             if align_l is None:
                 moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
-            return delta
 
-        delta_gu = adapter_delta(x, lora.a_gate_up, lora.b_gate_up, top_k, 0)
+        def gate_up_delta():
+            nonlocal align_l
+            if form != "gemv":
+                align_l = align_lora(topk_ids, lora.token_slot, num_experts, lora.a_gate_up.shape[0],
+                                     block_m, lora.slot_mask)
+            adapter_delta(x, lora.a_gate_up, lora.b_gate_up, top_k, 0, delta_gu)
+
+        # Deltas are allocated on the current stream, so the allocator orders their reuse there.
+        delta_gu = torch.empty(p, lora.b_gate_up.shape[2], dtype=torch.float32, device=dev)
+    if lora is not None and side_stream is not None:
+        # The gate/up delta reads only x and the routing: it runs beside the expert
+        # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
+        main = torch.cuda.current_stream()
+        side_stream.wait_stream(main)
+        with torch.cuda.stream(side_stream):
+            gate_up_delta()
+        align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
+        main.wait_stream(side_stream)
+    else:
+        align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
+        if lora is not None:
+            gate_up_delta()
+    align_d = (align_gu if cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
+               else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
+
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     moe_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, activation, limit,
              delta=delta_gu, lora=lora, top_k=top_k)
     if lora is not None:
-        delta_d = adapter_delta(h, lora.a_down, lora.b_down, 1, 1)
+        delta_d = torch.empty(p, lora.b_down.shape[2], dtype=torch.float32, device=dev)
+        adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
              delta=delta_d, lora=lora, top_k=top_k)
