@@ -37,9 +37,6 @@ for step in $STEPS; do
     attention)  # decode attention configs on the benchmarked models' shapes
       timeout 400 python3 benchmarks/attention_sweep.py --out "$OUT/attention.json" 2>&1 | grep -v -i warn \
         | tee "$OUT/attention.txt" ;;
-    moe-gemm)  # the MoE GEMMs of a decode step: pointer vs TMA weight loads, TMA configs
-      timeout 500 python3 benchmarks/moe_gemm_probe.py --tokens ${TOKENS:-16} --out "$OUT/moe-gemm.json" 2>&1 \
-        | grep -v -i warn > "$OUT/moe-gemm.txt"; grep -E "tuned|diff|best|^  " "$OUT/moe-gemm.txt" ;;
     variants)
       timeout 400 python3 benchmarks/decode_variants.py 2>&1 | grep -v "it/s" | grep -v "^loraplex" | tee "$OUT/variants.txt" ;;
     bench)

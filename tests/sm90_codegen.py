@@ -86,7 +86,7 @@ def kernels() -> dict:
     h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
         out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(
-            a_ptr=bf, w_ptr=bf, w_desc=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, delta_ptr=f32,
+            a_ptr=bf, w_ptr=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, delta_ptr=f32,
             token_slot_ptr=i32, slot_mask_ptr=i32, sorted_ids_ptr=i32,
             block_experts_ptr=i32, num_valid_ptr=i32, N=n, K=k, num_pairs=5, num_blocks=7, limit=3,
             stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
@@ -95,8 +95,7 @@ def kernels() -> dict:
             HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"),
             ALPHA=const(1.702),
             MUL_ROUTED_WEIGHT=const(not fuse), BLOCK_M=const(64), BLOCK_N=const(128),
-            BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True),
-            USE_TMA=const(False), **tf32),
+            BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True), **tf32),
             num_warps=8)
     out["moe_lora"] = compile_ptx(mod("moe_lora")._moe_lora_kernel, dict(
         in_ptr=bf, a_ptr=bf, b_ptr=bf, delta_ptr=f32, sorted_ids_ptr=i32, block_groups_ptr=i32,

@@ -78,10 +78,9 @@ def make_lora(e, h, i, t, gen, with_ranks: bool = True) -> MoELoRA:
 
 
 SMALL_BLOCKS = (  # gate/up, down: several row and column blocks, grouped ordering, and
-    # BLOCK_M differing between the GEMMs (each gets its own alignment); TMA weight tiles on
-    # Hopper GPUs where the rows allow (tails of N and K, rows not 16-byte aligned: pointers)
-    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2, TMA=1),
-    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, TMA=1),
+    # BLOCK_M differing between the GEMMs (each gets its own alignment)
+    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
 )
 
 
@@ -148,8 +147,7 @@ def test_tuned_config_files(tmp_path, monkeypatch):
     name = moe_configs.config_file_name("NVIDIA_H200", 128, 1536, 2048, torch.bfloat16)
     assert name == "moe_gemm_NVIDIA_H200_E128_N1536_K2048_bfloat16.json"
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-    table = {1: cfg, 8: {**cfg, "TMA": 1}, 64: {**cfg, "BLOCK_M": 32},
-             512: {**cfg, "BLOCK_M": 64, "GROUP_M": 16}}
+    table = {1: cfg, 64: {**cfg, "BLOCK_M": 32}, 512: {**cfg, "BLOCK_M": 64, "GROUP_M": 16}}
     moe_configs.save_configs(tmp_path / name, table)
     assert json.loads((tmp_path / name).read_text())["64"]["BLOCK_M"] == 32
     monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
@@ -225,10 +223,6 @@ def test_tuner_candidates():
     large = tune_moe.candidates(4096, 8, 128, fused=True)
     assert small and large
     assert {c["BLOCK_M"] for c in small} == {16} and {c["BLOCK_M"] for c in large} == {64, 128}
-    # Where TMA can run, configs with K steps of >= 256 bytes come with and without it.
-    with_tma = tune_moe.candidates(1, 8, 128, fused=True, tma=True)
-    assert [c for c in with_tma if "TMA" not in c] == small
-    assert [{**c, "TMA": 1} for c in small if c["BLOCK_K"] >= 128] == [c for c in with_tma if "TMA" in c]
     for fused, cands in ((True, small + large), (False, tune_moe.candidates(256, 2, 8))):
         for c in cands:
             assert set(c) == set(moe_configs.CONFIG_KEYS)

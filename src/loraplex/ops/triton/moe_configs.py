@@ -20,11 +20,6 @@ import torch
 PACKAGE_DIR = Path(__file__).parent / "configs"
 ENV_VAR = "LORAPLEX_MOE_CONFIG_DIR"
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = ("TMA",)  # 1: weight tiles by TMA (moe_gemm.py); absent or 0: pointer loads
-
-
-def _entry(cfg: dict) -> dict:
-    return {key: int(cfg[key]) for key in CONFIG_KEYS + OPTIONAL_KEYS if key in cfg or key in CONFIG_KEYS}
 
 
 def device_name(device: torch.device | str | None = None) -> str:
@@ -54,7 +49,7 @@ def load_configs(file_name: str) -> dict[int, dict] | None:
         path = d / file_name
         if path.is_file():
             table = json.loads(path.read_text())
-            return {int(m): _entry(cfg) for m, cfg in table.items()}
+            return {int(m): {key: int(cfg[key]) for key in CONFIG_KEYS} for m, cfg in table.items()}
     return None
 
 
@@ -86,6 +81,7 @@ def save_configs(path: Path, table: dict[int, dict]) -> None:
     (decode and prefill sizes are tuned in separate runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     old = {int(m): cfg for m, cfg in json.loads(path.read_text()).items()} if path.is_file() else {}
-    rows = {str(m): _entry(cfg) for m, cfg in sorted({**old, **table}.items())}
+    rows = {str(m): {key: int(cfg[key]) for key in CONFIG_KEYS}
+            for m, cfg in sorted({**old, **table}.items())}
     path.write_text(json.dumps(rows, indent=1) + "\n")
     load_configs.cache_clear()

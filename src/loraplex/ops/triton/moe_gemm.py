@@ -11,9 +11,7 @@ the adapters' contribution per pair, written only for pairs whose token has an a
 on these experts) the epilogue adds it to the fp32 accumulator of those rows before
 the activation and the routing weight, so base and adapter output are rounded once.
 fp32 accumulation; blocks past the valid count (worst-case grid) exit at once. Outputs
-are indexed by pair. A config with TMA set reads W's tiles through a tensor descriptor on
-Hopper (the rows are gathered, so A keeps pointer loads): gpt-oss-20b's decode GEMMs
-4.09 -> 4.35 TB/s with the configs that suit it (benchmarks/moe_gemm_probe.py, H200).
+are indexed by pair.
 """
 
 from __future__ import annotations
@@ -31,11 +29,6 @@ from loraplex.ops.triton.moe_act import gated_act
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config
 from loraplex.ops.triton.precision import dot_settings
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # an older Triton: pointer loads only
-    TensorDescriptor = None
 
 # Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
 # bound by weight reads (small BLOCK_M wastes least padding, wide K steps), many rows
@@ -60,7 +53,7 @@ def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
 # the delta (N columns on) loadable in 16-byte vectors.
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, w_desc, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
     sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
     N, K, num_pairs, num_blocks, limit,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
@@ -70,7 +63,6 @@ def _moe_gemm_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
     pid = tl.program_id(0)
@@ -93,25 +85,16 @@ def _moe_gemm_kernel(
     a_rows = a_ptr + rows[:, None] * stride_am
     w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # W.T tile [BLOCK_K, BLOCK_N]
     up_cols = w_cols + N * stride_wn  # FUSE_ACT: the up rows sit I = N rows below the gate's
-    # USE_TMA: W viewed as [E * rows, K]; this tile's first row (columns past N, of a tail
-    # tile, read the next rows: their outputs are never stored).
-    w_row = (expert * (2 * N if FUSE_ACT else N) + pid_n * BLOCK_N).to(tl.int32)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         a = row_tile(a_rows, k, K, m_mask, stride_ak, EVEN_K, UPCAST)
-        if USE_TMA:
-            w = w_desc.load([w_row, k0]).T
-        else:
-            w = col_tile(w_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
+        w = col_tile(w_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if FUSE_ACT:
-            if USE_TMA:
-                u = w_desc.load([w_row + N, k0]).T
-            else:
-                u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
+            u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
 
     if HAS_BIAS:
@@ -160,12 +143,8 @@ def moe_gemm(
     if delta is not None:
         assert lora is not None and delta.shape == (align.num_pairs, w.shape[1]) and delta.stride(1) == 1
     grid = (align.num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
-    tma = bool(cfg.get("TMA")) and tma_supported(w)
-    w_desc = (TensorDescriptor(w, [w.shape[0] * w.shape[1], w.shape[2]], [w.stride(1), 1],
-                               [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if tma else w)
     _moe_gemm_kernel[grid](
-        a, w, w_desc, bias if bias is not None else w, out,
-        routed_weights if routed_weights is not None else w,
+        a, w, bias if bias is not None else w, out, routed_weights if routed_weights is not None else w,
         delta if delta is not None else w, lora.token_slot if lora is not None else w,
         lora.slot_mask if lora is not None and lora.slot_mask is not None else w,
         align.sorted_ids, align.block_groups, align.num_valid,
@@ -179,13 +158,5 @@ def moe_gemm(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        USE_TMA=tma, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-def tma_supported(w: torch.Tensor) -> bool:
-    """Whether a config's TMA flag can apply to w: Hopper's tensor memory accelerator
-    (compute capability 9+) reads W's tiles if W is contiguous with 16-byte aligned rows.
-    Elsewhere (CPU, the interpreter, older GPUs) the same config runs pointer loads."""
-    return (TensorDescriptor is not None and w.is_cuda and torch.cuda.get_device_capability(w.device)[0] >= 9
-            and w.is_contiguous() and w.data_ptr() % 16 == 0 and w.shape[2] * w.element_size() % 16 == 0)

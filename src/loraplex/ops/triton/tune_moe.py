@@ -21,7 +21,7 @@ import triton
 
 from loraplex.ops.triton.moe_align import align_experts
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, config_file_name, device_name, save_configs
-from loraplex.ops.triton.moe_gemm import moe_gemm, tma_supported
+from loraplex.ops.triton.moe_gemm import moe_gemm
 
 logger = logging.getLogger("loraplex")
 
@@ -30,11 +30,9 @@ SMEM_BYTES = 200 * 1024  # H100 / H200 allow 227 KiB per block; leave room for t
 
 
 def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 2,
-               fused: bool = False, tma: bool = False) -> list[dict]:
+               fused: bool = False) -> list[dict]:
     """The search space for one token count: BLOCK_M no taller than twice the average
-    pairs per expert (taller blocks are padding), pipelines that fit shared memory. With
-    tma, each config with K steps of 256 bytes or more also with TMA weight loads (on an
-    H200, TMA boxes of 128 bytes lost to pointer loads: 131 -> 148 us, gpt-oss down)."""
+    pairs per expert (taller blocks are padding), pipelines that fit shared memory."""
     rows = num_tokens * top_k / num_experts
     max_m = max(16, 2 * triton.next_power_of_2(math.ceil(rows)))
     space = ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5))
@@ -50,8 +48,6 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 
             continue
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps,
                         num_stages=stages))
-        if tma and bk * elem_bytes >= 256:
-            out.append({**out[-1], "TMA": 1})
     return out
 
 
@@ -75,7 +71,7 @@ def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: boo
           elem_bytes: int) -> dict:
     topk_ids, a, w, out, kwargs = gemm_inputs
     best, best_ms = None, math.inf
-    for cfg in candidates(num_tokens, top_k, num_experts, elem_bytes, fused, tma_supported(w)):
+    for cfg in candidates(num_tokens, top_k, num_experts, elem_bytes, fused):
         align = align_experts(topk_ids, num_experts, cfg["BLOCK_M"])
         try:
             ms = time_ms(lambda: moe_gemm(a, w, None, out, align, cfg, **kwargs))  # noqa: B023
