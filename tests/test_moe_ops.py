@@ -127,7 +127,7 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
         return None if v is None else v.to(dtype).to(dev, to)
 
     args = (x, w_gu, w_d, b_gu, b_d, lora)
-    xe, wgu, wd, bgu, bd, lo = (cast(v, torch.float32) for v in args)
+    ref_args = xe, wgu, wd, bgu, bd, lo = tuple(cast(v, torch.float32) for v in args)
     stats_ref = torch.tensor([1.0, 2.0])  # routing stats (experts hit, calls) add up
     expected = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit, stats_ref)
     xg, wgu, wd, bgu, bd, lo = (cast(v, dtype, DEVICE) for v in args)
@@ -139,6 +139,16 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
                                 stats, side)
     assert stats.cpu().tolist() == stats_ref.tolist() == [1 + len(ids.unique()), 3]
     assert out.dtype == dtype and out.shape == (t, h)
+    if t == 3:  # unsummed: each token's top_k terms, as the model's next norm sums them
+        with ops.using_backend("triton"):
+            terms = ops.fused_experts(xg, weights.to(DEVICE), ids.to(DEVICE), wgu, wd, act, bgu, bd, lo,
+                                      limit, sum_topk=False)
+        xe, wgu, wd, bgu, bd, lo = ref_args
+        terms_ref = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit,
+                                            sum_topk=False)
+        assert terms.shape == terms_ref.shape == (t, k, h)
+        assert (terms.cpu().float() - terms_ref).norm() / terms_ref.norm() <= REL_TOL[dtype]
+        assert (terms_ref.sum(1) - expected).norm() / expected.norm() <= 1e-5
     err = (out.cpu().float() - expected).norm() / expected.norm()
     assert err <= REL_TOL[dtype], err
 

@@ -292,6 +292,14 @@ def test_add_rms_norm_and_strided_heads(backend):
     ref = w.double() * s / (s.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
     assert torch.equal(new_res, x + res)
     assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    # A MoE block's unsummed expert outputs [T, K, N] are summed in the same launch.
+    terms = torch.randn(6, 3, 40, generator=gen).to(DEVICE)
+    out3, res3 = ops.add_rms_norm(terms, res, w, 1e-5)
+    s3 = (terms.double().sum(1) + res.double())
+    ref3 = w.double() * s3 / (s3.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert out3.shape == res3.shape == (6, 40)
+    assert torch.allclose(res3.double(), s3, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out3.double(), ref3, rtol=1e-4, atol=1e-5)
     # q/k norm reads the heads of a fused projection output: a strided [T, H, D] view.
     qkv = torch.randn(5, 3 * 4 * 16, generator=gen).to(DEVICE)
     heads = qkv[:, 64:128].view(5, 4, 16)

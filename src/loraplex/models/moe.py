@@ -61,7 +61,9 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router (softmax top-k, optionally renormalised) and experts."""
+    """Router (softmax top-k, optionally renormalised) and experts. Returns each token's
+    top_k weighted expert outputs unsummed, [T, top_k, H]: the decoder's next residual
+    add + RMSNorm sums them in its launch."""
 
     def __init__(self, cfg: ModelConfig, router_name: str = "gate", bias: bool = False):
         super().__init__()
@@ -76,9 +78,10 @@ class SparseMoE(nn.Module):
         logits = getattr(self, self.router_name)(x)
         weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
         e, ctx = self.experts, get_forward_context()
+        # [T, top_k, H], unsummed: the next residual add + RMSNorm sums each token's rows.
         return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
                                  e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
-                                 ctx.moe_stats, ctx.aux_stream)
+                                 ctx.moe_stats, ctx.aux_stream, sum_topk=False)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""

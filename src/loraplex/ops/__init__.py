@@ -156,7 +156,11 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, ...), r)."""
+    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, ...), r).
+
+    x [T, N], or [T, K, N]: each token's K rows are summed first (float32, rounded to x's
+    dtype), as a MoE block's unsummed expert outputs (fused_experts, sum_topk=False) are.
+    """
     return _impl.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
@@ -193,6 +197,7 @@ def fused_experts(
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
+    sum_topk: bool = True,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
@@ -206,10 +211,12 @@ def fused_experts(
     side_stream (CUDA, optional): a stream the backend may run work on beside the current
     one (the gate/up adapter deltas beside the expert alignment); it must not be in use
     elsewhere during the call. No effect on any result.
-    Returns [T, H] in x's dtype.
+    Returns [T, H] in x's dtype; sum_topk=False: [T, top_k, H], the terms of the sum
+    (each rounded to x's dtype), for a later op to add (add_rms_norm does).
     """
     return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
-                               b_gate_up, b_down, lora, swiglu_limit, routing_stats, side_stream)
+                               b_gate_up, b_down, lora, swiglu_limit, routing_stats, side_stream,
+                               sum_topk)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

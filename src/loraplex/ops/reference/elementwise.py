@@ -19,6 +19,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 3:  # a MoE block's unsummed expert outputs
+        x = x.float().sum(1).to(x.dtype)
     residual = x + residual
     return rms_norm(residual, weight, eps, unit_offset), residual
 

@@ -49,6 +49,7 @@ def fused_experts(
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
+    sum_topk: bool = True,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
     the adapter delta per (slot, expert) group of those pairs. One stream."""
@@ -58,6 +59,7 @@ def fused_experts(
         hit[topk_ids.flatten().long()] = 1.0
         routing_stats += torch.stack([hit.sum(), hit.new_ones(())])
     out = torch.zeros(t, w_down.shape[1], dtype=torch.float32, device=x.device)
+    terms = torch.zeros(t, k, w_down.shape[1], dtype=x.dtype, device=x.device)
     slot = lora.token_slot[:t].long() if lora is not None else None
     for e in topk_ids.unique().tolist():
         tok, j = torch.where(topk_ids == e)
@@ -69,8 +71,10 @@ def fused_experts(
         y = F.linear(h, w_down[e], None if b_down is None else b_down[e]).float()
         if lora is not None:
             y += _lora_delta(h, slot[tok], lora.a_down[:, e], lora.b_down[:, e])
-        out.index_add_(0, tok, y * topk_weights[tok, j, None].float())
-    return out.to(x.dtype)
+        y = y * topk_weights[tok, j, None].float()
+        out.index_add_(0, tok, y)
+        terms[tok, j] = y.to(x.dtype)
+    return out.to(x.dtype) if sum_topk else terms
 
 
 def _lora_delta(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor):

@@ -48,6 +48,7 @@ def fused_experts(
     swiglu_limit: float | None = None,
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
+    sum_topk: bool = True,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
     limit = check_activation(activation, swiglu_limit)
@@ -55,7 +56,7 @@ def fused_experts(
     num_experts, two_i, hidden = w_gate_up.shape
     assert x.shape == (t, hidden) and w_down.shape == (num_experts, hidden, two_i // 2)
     if t == 0:
-        return x.new_empty(0, hidden)
+        return x.new_empty(0, hidden) if sum_topk else x.new_empty(0, top_k, hidden)
     p, dev = t * top_k, x.device
     cfg_gu, cfg_d = gemm_config(w_gate_up, t, top_k), gemm_config(w_down, t, top_k)
     weights = topk_weights.float().contiguous()
@@ -105,7 +106,8 @@ def fused_experts(
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
              delta=delta_d, lora=lora, top_k=top_k)
-    return y.view(t, top_k, hidden).sum(1)
+    y = y.view(t, top_k, hidden)
+    return y.sum(1) if sum_topk else y
 
 
 def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,

@@ -4,7 +4,9 @@ One program per row. With a residual, the sum x + residual is rounded to the mod
 (as the unfused model computes it), stored as the new residual stream, and normalised in
 float32; the normalised row is rounded before the weight multiplies it, as in Hugging
 Face's Llama RMSNorm, or (UNIT_OFFSET, Gemma) scaled by 1 + weight in float32 and then
-rounded. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm).
+rounded. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm). With a
+residual, x may be [T, K, N]: a MoE block's K expert outputs per token, summed here (one
+launch and one pass over them less than a separate sum).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _rms_norm_kernel(
     N, eps,
     stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
     INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    SUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
     outer, inner = row // INNER, row % INNER
@@ -39,6 +41,11 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + outer * stride_x0 + inner * stride_x1 + offs, mask=mask, other=0.0)
     dtype = x.dtype
     x = x.to(tl.float32)
+    if SUM_ROWS > 1:  # x [T, SUM_ROWS, N] (INNER 1): the row's terms, summed and rounded
+        for j in tl.static_range(1, SUM_ROWS):
+            term = tl.load(x_ptr + outer * stride_x0 + j * stride_x1 + offs, mask=mask, other=0.0)
+            x += term.to(tl.float32)
+        x = x.to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r0 + offs, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(dtype)
@@ -55,11 +62,14 @@ def _launch(x, residual, weight, eps, unit_offset):
     n = x.shape[-1]
     assert x.stride(-1) == 1 and weight.shape == (n,), (x.stride(), weight.shape)
     x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [outer, inner, N]
-    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    # With a residual, a 3-D x holds terms to sum per row; without, rows of heads to norm.
+    sum_rows = x3.shape[1] if residual is not None else 1
+    out_shape = (x3.shape[0], 1 if sum_rows > 1 else x3.shape[1], n)
+    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(residual) if residual is not None else None
     if residual is not None:
-        assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
-    rows = x3.shape[0] * x3.shape[1]
+        assert residual.shape == (x3.shape[0], n) and residual.stride(-1) == 1, (x.shape, residual.shape)
+    rows = out_shape[0] * out_shape[1]
     _rms_norm_kernel[(rows,)](
         x3, residual if residual is not None else x3, weight, out,
         res_out if res_out is not None else out,
@@ -67,11 +77,11 @@ def _launch(x, residual, weight, eps, unit_offset):
         x3.stride(0), x3.stride(1),
         residual.stride(0) if residual is not None else 0,
         out.stride(0), out.stride(1),
-        INNER=x3.shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-        BLOCK_N=triton.next_power_of_2(n),
+        INNER=out_shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+        SUM_ROWS=sum_rows, BLOCK_N=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
     )
-    return out.view(x.shape), res_out
+    return out.view(x.shape if residual is None else residual.shape), res_out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
