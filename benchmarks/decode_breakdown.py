@@ -18,10 +18,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from decode_batch import CACHE_DIR, make_engine, start_decode
 
-from loraplex import LLM, SamplingParams, ops
-from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
+from loraplex import ops
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.layers.linear import LoRALinear
 from loraplex.ops.triton import fused_moe
@@ -138,28 +137,17 @@ def main():
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
     p.add_argument("--out", default=None, help="JSON results")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    p.add_argument("--cache-dir", default=CACHE_DIR)
     args = p.parse_args()
 
-    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
-              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
-              measure_moe_routing=args.routing_stats)
-    engine, runner = llm.engine, llm.engine.runner
-    targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
-    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters, targets=targets)
+    engine, runner, loras = make_engine(args.model, args.batch, args.adapters, args.prompt_len,
+                                        args.cache_dir, args.expert_adapters,
+                                        measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                "routing_stats": args.routing_stats, "runs": {}}
     runs = [("base", False)] + ([(f"{args.adapters} adapters", True)] if args.adapters else [])
     for label, use in runs:
-        sp = SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True)
-        for i in range(args.batch):
-            lora = loras[i % len(loras)] if use else None
-            engine.add_request(f"{label}-{i}", [1000 + i] * args.prompt_len, sp, lora)
-        while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
-        for _ in range(5):
-            engine.step()
+        start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
         torch.cuda.synchronize()
         size = runner.graphs.padded_size(args.batch)
         plain = time_graph(lambda: runner.graphs.replay(size, use))

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
-
-from loraplex import LLM, SamplingParams
-from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
+from decode_batch import CACHE_DIR, make_engine, start_decode
 
 
 def main():
@@ -27,26 +23,14 @@ def main():
     p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: the profiler then sees every kernel of the step")
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    p.add_argument("--cache-dir", default=CACHE_DIR)
     args = p.parse_args()
 
-    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
-              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
-              enforce_eager=args.enforce_eager)
-    engine, runner = llm.engine, llm.engine.runner
-    targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
-    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters, targets=targets)
-
+    engine, runner, loras = make_engine(args.model, args.batch, args.adapters, args.prompt_len,
+                                        args.cache_dir, args.expert_adapters,
+                                        enforce_eager=args.enforce_eager)
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
-        sp = SamplingParams(temperature=1.0, max_tokens=args.steps + 20, ignore_eos=True)
-        for i in range(args.batch):
-            lora = loras[i % len(loras)] if use and loras else None
-            engine.add_request(f"{label}-{i}", [1000 + i] * args.prompt_len, sp, lora)
-        while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
-            engine.step()
-        for _ in range(5):
-            engine.step()
+        start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], args.steps + 20)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):
