@@ -58,8 +58,9 @@ def fused_experts(
         hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)
         hit[topk_ids.flatten().long()] = 1.0
         routing_stats += torch.stack([hit.sum(), hit.new_ones(())])
-    out = torch.zeros(t, w_down.shape[1], dtype=torch.float32, device=x.device)
-    terms = torch.zeros(t, k, w_down.shape[1], dtype=x.dtype, device=x.device)
+    # The sum in float32, rounded once; or each term rounded on its own (sum_topk=False).
+    out = (torch.zeros(t, w_down.shape[1], dtype=torch.float32, device=x.device) if sum_topk
+           else torch.zeros(t, k, w_down.shape[1], dtype=x.dtype, device=x.device))
     slot = lora.token_slot[:t].long() if lora is not None else None
     for e in topk_ids.unique().tolist():
         tok, j = torch.where(topk_ids == e)
@@ -72,9 +73,11 @@ def fused_experts(
         if lora is not None:
             y += _lora_delta(h, slot[tok], lora.a_down[:, e], lora.b_down[:, e])
         y = y * topk_weights[tok, j, None].float()
-        out.index_add_(0, tok, y)
-        terms[tok, j] = y.to(x.dtype)
-    return out.to(x.dtype) if sum_topk else terms
+        if sum_topk:
+            out.index_add_(0, tok, y)
+        else:
+            out[tok, j] = y.to(x.dtype)
+    return out.to(x.dtype)
 
 
 def _lora_delta(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
