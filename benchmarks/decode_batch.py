@@ -4,24 +4,34 @@ requests stepped until every one of them decodes."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from loraplex import LLM, SamplingParams
 from loraplex.bench.synthetic import LINEAR_TARGETS
 from loraplex.bench.workload import prepare_model_dir, random_adapter_requests
 
-CACHE_DIR = str(Path.home() / ".cache" / "loraplex" / "bench")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, batch and adapters that make_engine reads."""
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
 
 
-def make_engine(model: str, batch: int, adapters: int, prompt_len: int, cache_dir: str,
-                expert_adapters: bool = False, **llm_kwargs):
-    """(engine, runner, adapter requests) for `model`'s bundled config, dummy weights."""
-    model_dir, _ = prepare_model_dir(model, Path(cache_dir))
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, adapters),
-              max_lora_rank=16, max_num_seqs=batch, max_model_len=prompt_len + 256, **llm_kwargs)
+def make_engine(args: argparse.Namespace, **llm_kwargs):
+    """(engine, runner, adapter requests) for the bundled config of args.model (see
+    add_arguments), dummy weights."""
+    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_loras=max(1, args.adapters),
+              max_lora_rank=16, max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
+              **llm_kwargs)
     engine = llm.engine
-    targets = LINEAR_TARGETS + (("experts",) if expert_adapters else ())
-    loras = random_adapter_requests(engine, model_dir, Path(cache_dir), adapters, targets=targets)
+    targets = LINEAR_TARGETS + (("experts",) if args.expert_adapters else ())
+    loras = random_adapter_requests(engine, model_dir, Path(args.cache_dir), args.adapters, targets=targets)
     return engine, engine.runner, loras
 
 

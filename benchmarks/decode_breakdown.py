@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from decode_batch import CACHE_DIR, make_engine, start_decode
+from decode_batch import add_arguments, make_engine, start_decode
 
 from loraplex import ops
 from loraplex.layers.context import ForwardContext, forward_context
@@ -129,20 +129,13 @@ def breakdown(runner, size: int, use: bool, refill, replays: int = 20) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    add_arguments(p)
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
     p.add_argument("--out", default=None, help="JSON results")
-    p.add_argument("--cache-dir", default=CACHE_DIR)
     args = p.parse_args()
 
-    engine, runner, loras = make_engine(args.model, args.batch, args.adapters, args.prompt_len,
-                                        args.cache_dir, args.expert_adapters,
-                                        measure_moe_routing=args.routing_stats)
+    engine, runner, loras = make_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                "routing_stats": args.routing_stats, "runs": {}}
     runs = [("base", False)] + ([(f"{args.adapters} adapters", True)] if args.adapters else [])

@@ -10,25 +10,18 @@ import argparse
 import time
 
 import torch
-from decode_batch import CACHE_DIR, make_engine, start_decode
+from decode_batch import add_arguments, make_engine, start_decode
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=512)
+    add_arguments(p)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: the profiler then sees every kernel of the step")
-    p.add_argument("--cache-dir", default=CACHE_DIR)
     args = p.parse_args()
 
-    engine, runner, loras = make_engine(args.model, args.batch, args.adapters, args.prompt_len,
-                                        args.cache_dir, args.expert_adapters,
-                                        enforce_eager=args.enforce_eager)
+    engine, runner, loras = make_engine(args, enforce_eager=args.enforce_eager)
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
         start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], args.steps + 20)
         torch.cuda.synchronize()
