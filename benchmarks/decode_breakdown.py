@@ -24,6 +24,7 @@ from loraplex import ops
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.layers.linear import LoRALinear
 from loraplex.ops.triton import fused_moe
+from loraplex.runner.batch_meta import GraphShape
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
        "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
@@ -82,10 +83,10 @@ def time_graph(replay, iters=50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def breakdown(runner, size: int, use: bool, refill, replays: int = 20) -> dict:
+def breakdown(runner, shape: GraphShape, use: bool, refill, replays: int = 20) -> dict:
     marks = Marks()
     with torch.inference_mode(), ops.using_backend(runner.config.ops_backend):
-        step = runner.inputs.graph_inputs(size, use)
+        step = runner.inputs.graph_inputs(shape, use)
         ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=runner.aux_stream,
                              moe_stats=runner.moe_stats)
         with forward_context(ctx):
@@ -142,14 +143,14 @@ def main():
     for label, use in runs:
         start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
         torch.cuda.synchronize()
-        size = runner.graphs.padded_size(args.batch)
-        plain = time_graph(lambda: runner.graphs.replay(size, use))
+        shape = runner.graphs.shape_for(args.batch, args.batch)
+        plain = time_graph(lambda: runner.graphs.replay(shape, use))
 
         def refill():
             for _ in range(2):
                 engine.step()
             torch.cuda.synchronize()
-        run = breakdown(runner, size, use, refill)
+        run = breakdown(runner, shape, use, refill)
         run["graph_ms"] = plain
         results["runs"][label] = run
         print(f"\n[{args.model} {label}] decode graph {plain:.3f} ms; with events "

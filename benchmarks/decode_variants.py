@@ -30,12 +30,12 @@ VARIANTS = {
 }
 
 
-def replay_ms(runner, size, with_lora, reps=30):
+def replay_ms(runner, shape, with_lora, reps=30):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    runner.graphs.replay(size, with_lora)
+    runner.graphs.replay(shape, with_lora)
     start.record()
     for _ in range(reps):
-        runner.graphs.replay(size, with_lora)
+        runner.graphs.replay(shape, with_lora)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
@@ -56,10 +56,10 @@ def run_variant(model_dir, overrides, batch=32, adapters=32, prompt_len=512):
     engine, runner = llm.engine, llm.engine.runner
     if "aux_stream" in overrides:  # recapture the graphs without the second stream
         from loraplex import ops
-        from loraplex.runner.cuda_graphs import DecodeGraphs
+        from loraplex.runner.cuda_graphs import StepGraphs
 
         runner.aux_stream = None
-        runner.graphs = DecodeGraphs(runner.model, runner.inputs, batch, True, None)
+        runner.graphs = StepGraphs(runner.model, runner.inputs, batch, None, True, None)
         with ops.using_backend("triton"):
             runner.graphs.capture()
     loras = random_adapter_requests(engine, model_dir, CACHE, adapters)
@@ -68,7 +68,8 @@ def run_variant(model_dir, overrides, batch=32, adapters=32, prompt_len=512):
         engine.add_request(f"r{i}", [1000 + i] * prompt_len, sp, loras[i % adapters])
     for _ in range(60):
         engine.step()
-    out = (replay_ms(runner, batch, False), replay_ms(runner, batch, True))
+    shape = runner.graphs.shape_for(batch, batch)
+    out = (replay_ms(runner, shape, False), replay_ms(runner, shape, True))
     for _, (mod, attr, value) in saved.items():
         setattr(mod, attr, value)
     del llm, engine, runner

@@ -12,7 +12,7 @@ for step in $STEPS; do
   echo "=== $step"
   case $step in
     tests)
-      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -x -q \
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 570 python3 -m pytest -x -q \
         -p no:cacheprovider 2>&1 | tail -25 > "$OUT/tests-bf16.log"; tail -5 "$OUT/tests-bf16.log" ;;
     tests32)
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=float32 timeout 400 python3 -m pytest -x -q \
@@ -46,7 +46,7 @@ for step in $STEPS; do
         --cache-dir /tmp/lp --result-json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
         | grep -v "it/s" > "$OUT/bench.txt"; tail -6 "$OUT/bench.txt" ;;
     moe-tests)
-      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -x -q \
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 570 python3 -m pytest -x -q \
         -p no:cacheprovider tests/test_moe_ops.py tests/test_moe.py tests/test_gpt_oss.py \
         2>&1 | tail -25 > "$OUT/moe-tests.log"; tail -5 "$OUT/moe-tests.log" ;;
     qwen3-moe)  # issue targets: 16 in flight, 1600 in / 600 out, 16 adapters on attention + experts

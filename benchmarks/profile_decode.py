@@ -31,7 +31,7 @@ def main():
         wall = (time.perf_counter() - t0) / args.steps * 1e3
 
         if runner.graphs is not None:
-            size = runner.graphs.padded_size(args.batch)
+            size = runner.graphs.shape_for(args.batch, args.batch)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             runner.graphs.replay(size, use)
             start.record()

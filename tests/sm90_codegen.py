@@ -78,11 +78,11 @@ def kernels() -> dict:
         N_BLOCKS_PER_SLICE=const(16), BLOCK_N=const(256), BLOCK_R=const(16), ALIGN=const(16)))
     out["lora_expand_sgmv"] = compile_ptx(mod("lora_expand_sgmv")._lora_expand_kernel, dict(
         buf_ptr=f32, b_ptr=bf, y_ptr=bf, sorted_ids_ptr=i32, group_slots_ptr=i32,
-        group_starts_ptr=i32, group_ranks_ptr=i32, tiles_ptr=i32, num_tiles=7, m_blocks=3,
-        slice_starts_ptr=i32, stride_bs=8192 * 16, stride_bm=16, stride_br=1,
+        group_starts_ptr=i32, group_ranks_ptr=i32, num_groups=32, slice_starts_ptr=i32,
+        stride_bs=8192 * 16, stride_bm=16, stride_br=1,
         stride_wl=qkv * 16, stride_wn=16, stride_wr=1, stride_ym=qkv, stride_yn=1,
         N_BLOCKS_PER_SLICE=const(16), BLOCK_M=const(16), BLOCK_N=const(256), BLOCK_R=const(16),
-        TILE_BLOCKS=const(4), EXPLICIT_TILES=const(True), ALIGN=const(16), **tf32))
+        TILE_BLOCKS=const(4), ALIGN=const(16), **tf32))
     h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
         out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(
@@ -138,7 +138,7 @@ def attention_shared_memory() -> dict:
             cfg = pa.attention_config(q_len, group, d * size)
             args = dict(out_ptr=ptr, sinks_ptr=ptr, stride_ot=d * 32, stride_oh=d, stride_od=1,
                         BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]), USE_SINKS=const(True),
-                        **common)
+                        num_seqs=33, ONE_TOKEN=const(kind == "decode"), **common)
             out[f"attention {kind} {dtype} d{d}"] = compile_sm90(
                 pa._paged_attention_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
         cfg = pd.decode_config(group, d * size)

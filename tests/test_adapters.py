@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ADAPTERS, make_llm, random_prompts
+from conftest import ADAPTERS, assert_same_greedy_tokens, make_llm, random_prompts
 from safetensors.torch import load_file, save_file
 
 from loraplex import AdapterInvalid, AdapterNotFound, AdapterTooLarge, LoRARequest, SamplingParams
@@ -146,9 +146,10 @@ def test_more_adapters_than_slots(llm, model_dirs, tmp_path):
     ]
     prompts = random_prompts(12, (5, 25), seed=11)
     per_prompt = [loras[i % 6] for i in range(12)]
-    together = llm.generate(prompts, SP, per_prompt)
-    for p, lora, out in zip(prompts, per_prompt, together):
-        assert out.outputs[0].token_ids == llm.generate([p], SP, lora)[0].outputs[0].token_ids
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    together = llm.generate(prompts, sp, per_prompt)
+    for p, lora, out in zip(prompts, per_prompt, together):  # bf16: up to a near-tie
+        assert_same_greedy_tokens(out.outputs[0], llm.generate([p], sp, lora)[0].outputs[0])
     assert len({tuple(o.outputs[0].token_ids) for o in together}) > 6
 
 

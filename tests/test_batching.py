@@ -178,9 +178,9 @@ def test_graph_capture_runs_without_garbage_collection(monkeypatch):
     collector is off during, capture."""
     import gc
 
-    from loraplex.runner.cuda_graphs import DecodeGraphs
+    from loraplex.runner.cuda_graphs import StepGraphs
 
-    graphs = DecodeGraphs(model=None, inputs=None, max_batch=4, with_lora=False)
+    graphs = StepGraphs(model=None, inputs=None, max_batch=4, max_tokens=None, with_lora=False)
     seen = []
     monkeypatch.setattr(graphs, "_capture", lambda: seen.append(gc.isenabled()))
     assert gc.isenabled()
@@ -212,3 +212,66 @@ def test_next_step_inputs_leave_the_previous_steps_staging_alone():
     assert bufs.input_ids.host is not staged and staged[:3].tolist() == [5, 6, 7]
     bufs.prepare(plan([1]), [0, 0])
     assert bufs.input_ids.host is staged, "two twins, in turn"
+
+
+class _EagerGraphs:
+    """Stands in for the runner's CUDA graphs on any device: each step is padded to the
+    shape of the graph that would run it, then run eagerly on those padded inputs."""
+
+    def __init__(self, runner, max_batch: int):
+        from loraplex.runner.cuda_graphs import StepGraphs
+
+        self.graphs = StepGraphs(runner.model, runner.inputs, max_batch,
+                                 runner.config.scheduler.max_num_batched_tokens, True)
+        self.model, self.shapes = runner.model, []
+        prepare = runner.inputs.prepare
+
+        def remember(plan, *args, **kwargs):
+            self.step, self.num_tokens = prepare(plan, *args, **kwargs), plan.num_tokens
+            return self.step
+
+        runner.inputs.prepare = remember
+
+    def shape_for(self, num_tokens, num_seqs):
+        return self.graphs.shape_for(num_tokens, num_seqs)
+
+    def replay(self, shape, with_lora):
+        from loraplex.layers.context import ForwardContext, forward_context
+
+        step = self.step
+        assert step.input_ids.shape[0] == shape.tokens and (step.lora is not None) == with_lora
+        self.shapes.append((shape, int(self.num_tokens < shape.tokens)))
+        with forward_context(ForwardContext(attn=step.attn, lora=step.lora)):
+            return self.model(step.input_ids, step.positions)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_steps_padded_to_a_graph_shape_change_no_token(model_dirs, adapter_dirs, monkeypatch, arch):
+    """Steps padded as their CUDA graph runs them (a decode graph: one-token padding
+    sequences; a mixed graph: a padding sequence with no context, then empty sequences,
+    also for decodes past the largest decode graph) give the outputs of unpadded steps:
+    tokens, logprobs and prompt logprobs, with adapters, chunked prefill and sliding
+    windows (gemma3). The capture itself runs in the GPU suite."""
+    from loraplex.runner import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MIXED_GRAPH_STEP", 16)
+    prompts = random_prompts(8, (5, 45), seed=21)
+    loras = _loras(adapter_dirs, arch, len(prompts))
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    kw = dict(dtype="float32", max_num_batched_tokens=64, enforce_eager=True)
+    expected = make_llm(model_dirs[arch], **kw).generate(prompts, sp, loras)
+    llm = make_llm(model_dirs[arch], **kw)
+    graphs = llm.engine.runner.graphs = _EagerGraphs(llm.engine.runner, max_batch=6)
+    got = llm.generate(prompts, sp, loras)
+    kinds = {(shape.decode, padded) for shape, padded in graphs.shapes}
+    assert kinds >= {(True, 0), (False, 1)}, kinds
+    assert any(not s.decode and s.seqs > 1 and p == 1 for s, p in graphs.shapes)
+    tol = batch_tolerance()
+    for a, b, p in zip(expected, got, prompts):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) <= tol
+        da = torch.tensor([x[t].logprob for x, t in zip(a.prompt_logprobs[1:], p[1:])])
+        db = torch.tensor([x[t].logprob for x, t in zip(b.prompt_logprobs[1:], p[1:])])
+        assert (da - db).abs().max().item() <= tol

@@ -11,6 +11,7 @@ from conftest import (
     ARCHS,
     DTYPE,
     HFOracle,
+    assert_same_greedy_tokens,
     batch_tolerance,
     make_llm,
     random_prompts,
@@ -89,21 +90,6 @@ def test_each_request_gets_what_it_gets_alone(arch, model_dirs, adapter_dirs):
         a = _logprobs_of(out.prompt_logprobs[1:], prompt[1:])
         b = _logprobs_of(alone.prompt_logprobs[1:], prompt[1:])
         assert (a - b).abs().max().item() <= batch_tolerance()
-
-
-def assert_same_greedy_tokens(a, b):
-    """float32: identical greedy tokens. bf16 rounds differently in batches of other
-    shapes, so two greedy runs may part at a near-tie: up to the first difference the
-    tokens agree, and there both picks are within batch_tolerance() in b's logprobs."""
-    if DTYPE == "float32":
-        assert a.token_ids == b.token_ids
-        return
-    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
-        if x != y:
-            scores = b.logprobs[i]
-            assert x in scores, f"step {i}: {x} is not among the top tokens of {scores}"
-            assert scores[y].logprob - scores[x].logprob <= batch_tolerance(), (i, scores)
-            return
 
 
 def test_base_requests_are_bit_identical_beside_adapters(model_dirs, adapter_dirs):

@@ -52,27 +52,25 @@ REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens,in_f,sizes", LORA_SHAPES)
 def test_lora_shrink_expand(backend, popularity, num_tokens, in_f, sizes):
-    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid=False)
+    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes)
 
 
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("num_tokens,in_f,sizes", LORA_SHAPES)
-@pytest.mark.parametrize("form", ["gemv", "sgmv", "sgmv-graph-grid"])
+@pytest.mark.parametrize("form", ["gemv", "sgmv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lora_kernel_forms(popularity, num_tokens, in_f, sizes, form, dtype):
     """Each Triton form on every shape, whichever the dispatcher would pick: per-token
-    GEMV, segmented GEMM, and segmented GEMM with groups known only on the device (the
-    static grid of a CUDA graph)."""
+    GEMV and segmented GEMM (whose tiles are found on the device)."""
     from loraplex.ops import triton as kernels
 
     shrink = kernels.lora_shrink_gemv if form == "gemv" else kernels.lora_shrink_sgmv
     expand = kernels.lora_expand_gemv if form == "gemv" else kernels.lora_expand_sgmv
-    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, form == "sgmv-graph-grid",
-                             shrink, expand, dtype)
+    check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, shrink, expand, dtype)
 
 
-def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid,
-                             shrink=None, expand=None, dtype=torch.float32):
+def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, shrink=None, expand=None,
+                             dtype=torch.float32):
     shrink = shrink or ops.lora_shrink
     expand = expand or ops.lora_expand
     gen = torch.Generator().manual_seed(num_tokens * 7 + len(sizes))
@@ -98,8 +96,6 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, graph_grid,
 
     dev = dict(device=DEVICE)
     batch = lora_batch(slots, ranks, max_loras)
-    if graph_grid:
-        batch.active, batch.groups = any(s >= 0 for s in slots), []
     y = y0.clone().to(**dev)  # a copy on CPU too: y0 stays the original
     buf = shrink(x.to(**dev), a.to(**dev), batch)
     assert buf.shape == (len(sizes), num_tokens, max_rank) and buf.dtype == torch.float32
@@ -139,6 +135,18 @@ def test_paged_attention(backend, window, dtype, sinks):
     check_paged_attention(seqs, window, dtype, num_heads=6, num_kv=2, head_dim=8, sinks=sinks)
 
 
+def test_paged_attention_many_sequences_and_padding(backend):
+    """More sequences than one scan of the device-side tile search covers (64), and the
+    padding of a CUDA graph for mixed steps: a sequence of tokens with no context
+    (zero rows) and empty sequences after it."""
+    gen = torch.Generator().manual_seed(3)
+    seqs = [(int(c), int(n)) for c, n in zip(torch.randint(0, 9, (70,), generator=gen),
+                                              torch.randint(1, 4, (70,), generator=gen))]
+    seqs[5], seqs[40] = (2, 20), (0, 17)  # chunks spanning several query blocks
+    seqs += [(None, 9), (None, 0), (None, 0)]
+    check_paged_attention(seqs, None, torch.float32, num_heads=4, num_kv=2, head_dim=8)
+
+
 # (GQA group, head_dim, window, MAX_SPLITS): 2 splits make a program cover several partitions.
 DECODE_SHAPES = [(1, 64, None, 64), (4, 128, None, 64), (8, 80, None, 2), (4, 64, 21, 64),
                  (8, 128, 40, 64), (1, 80, 37, 2)]
@@ -165,22 +173,24 @@ def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_s
 def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, block_size=4,
                           table_width=None, sinks=False) -> AttentionBatch:
     """Write each sequence's new keys/values into scattered pages, run paged_attention,
-    compare every sequence with the naive loop. seqs: (cached tokens, new tokens), or
-    None for a CUDA graph's padding sequence (one token, no context, no KV slot). sinks:
+    compare every sequence with the naive loop. seqs: (cached tokens, new tokens);
+    padding of a CUDA graph: None (a decode graph's: one token, no context, no KV slot)
+    or (None, n) (a mixed-step graph's: n tokens, no context, no KV slots). sinks:
     random per-head sink logits (gpt-oss), large enough to take much of each softmax."""
+    seqs = [(None, 1) if s is None else s for s in seqs]
     gen = torch.Generator().manual_seed(0)
-    num_blocks = sum(math.ceil(sum(s) / block_size) for s in seqs if s) + 3
+    num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs if c is not None) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered pages
     tables, slot_mapping, qsl, seq_lens = [], [], [0], []
-    for cached, new in (s or (0, 0) for s in seqs):
-        length = cached + new
+    for cached, new in seqs:
+        length = cached + new if cached is not None else 0
         pages = [free.pop() for _ in range(math.ceil(length / block_size))]
         tables.append(pages)
-        slot_mapping += [pages[p // block_size] * block_size + p % block_size
-                         for p in range(cached, length)] or [-1]
-        qsl.append(qsl[-1] + max(new, 1))
+        slot_mapping += ([pages[p // block_size] * block_size + p % block_size
+                          for p in range(cached, length)] if cached is not None else [-1] * new)
+        qsl.append(qsl[-1] + new)
         seq_lens.append(length)
     width = table_width or max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -214,9 +224,8 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
     assert torch.equal(flat_k[batch.slot_mapping.cpu()[real]], k_new[real])
     for b, length in enumerate(seq_lens):
         rows = slice(qsl[b], qsl[b + 1])
-        if seqs[b] is None:  # padding: the reference has no keys to attend; kernels write 0
-            if ops.backend_name() == "triton":
-                assert torch.equal(out[rows], torch.zeros_like(out[rows])), b
+        if seqs[b][0] is None:  # padding: no key to attend to
+            assert torch.equal(out[rows], torch.zeros_like(out[rows])), b
             continue
         slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(length)]
         ref = naive_attention(q[rows], flat_k[slots], flat_v[slots], scale, window, sink)

@@ -267,6 +267,9 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
 
 
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -277,12 +280,20 @@ class EngineConfig:
     load_format: str  # "auto" (safetensors) or "dummy" (random weights)
     ops_backend: str = "torch"  # "torch" (reference ops) or "triton" (kernels)
     enforce_eager: bool = False  # True: no CUDA graphs
+    # Which steps replay CUDA graphs (vLLM's names): "FULL" every step up to 2048 tokens
+    # (decode and mixed), "FULL_DECODE_ONLY" decode steps only, "NONE" none.
+    cudagraph_mode: str = "FULL"
     # MoE: count the distinct experts each decode step routes to (benchmarks; costs a few
     # small kernels per layer).
     measure_moe_routing: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                             f"got {self.cudagraph_mode!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:

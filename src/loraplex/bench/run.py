@@ -25,6 +25,7 @@ from loraplex.bench.report import format_table, plot, summarize, to_json
 from loraplex.bench.stack_sampler import StackSampler
 from loraplex.bench.synthetic import LINEAR_TARGETS
 from loraplex.bench.workload import BUNDLED_CONFIGS, make_requests, prepare_adapters, prepare_model_dir
+from loraplex.config import CUDAGRAPH_MODES
 from loraplex.types import LoRARequest, SamplingParams
 
 logger = logging.getLogger("loraplex")
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     p.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead")
     p.add_argument("--served-model-name", default=None)
@@ -150,7 +152,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         max_cpu_lora_bytes=int(args.max_cpu_lora_memory * 2**30) if args.max_cpu_lora_memory else None,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        enforce_eager=args.enforce_eager, measure_moe_routing=True,
+        enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode, measure_moe_routing=True,
     )
     engine = llm.engine
     vocab = llm.config.model.vocab_size

@@ -32,7 +32,8 @@ class LLM:
     Arguments mirror vLLM's engine arguments. dtype="auto" takes the checkpoint's dtype
     on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
     the model's max_position_embeddings. ops_backend="auto" runs Triton kernels on GPU
-    and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs.
+    and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs
+    (cudagraph_mode="FULL_DECODE_ONLY" keeps them for decode steps only).
     async_scheduling plans and launches each step before reading the previous one's
     tokens (as vLLM's --async-scheduling), hiding host work behind the device's.
     """
@@ -64,6 +65,7 @@ class LLM:
         max_logprobs: int = 20,
         ops_backend: str = "auto",
         enforce_eager: bool = False,
+        cudagraph_mode: str = "FULL",
         async_scheduling: bool = True,
         measure_moe_routing: bool = False,
     ):
@@ -86,6 +88,7 @@ class LLM:
             load_format="dummy" if load_format == "dummy" else "auto",
             ops_backend=_resolve_backend(ops_backend, device),
             enforce_eager=enforce_eager,
+            cudagraph_mode="NONE" if enforce_eager else cudagraph_mode,
             measure_moe_routing=measure_moe_routing,
             cache=CacheConfig(
                 block_size=block_size,

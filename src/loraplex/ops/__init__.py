@@ -136,7 +136,8 @@ def paged_attention(
     are the last ones of the context, causal; with a sliding window, key position k is
     visible to query position p iff p - window < k <= p. sinks [Hq] (gpt-oss), read as
     float32: head h's softmax gets one more logit, sinks[h], with no value (it only adds
-    exp(sinks[h]) to the denominator, so a row's weights sum to less than 1).
+    exp(sinks[h]) to the denominator, so a row's weights sum to less than 1). A row with
+    no visible key (padding: seq_lens[b] = 0, or less than the query) is zero.
     Returns [T, Hq, D].
     """
     return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)

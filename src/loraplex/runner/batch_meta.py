@@ -4,7 +4,13 @@ The runner turns a StepPlan into token ids, positions, KV slot mapping, block ta
 query offsets and the per-token adapter slot with its grouping. Everything is written
 into pinned host staging buffers (numpy views) and copied to the device buffers in one
 pass; ops receive views of the device buffers, so their addresses never change and a
-decode step can be replayed from a CUDA graph.
+step can be replayed from a CUDA graph.
+
+A step replayed from a graph is padded to the graph's shape (`GraphShape`). A decode
+graph's padding is one-token sequences; a mixed graph's (prefill chunks and decodes) is
+one sequence holding every padding token, then empty sequences up to the graph's count.
+Padding tokens have no context, no KV slot and no adapter: their attention rows are zero
+and they change nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +22,19 @@ import torch
 
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, group_tokens
 from loraplex.types import StepPlan
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The padded shape a CUDA graph was captured for: `tokens` tokens in `seqs`
+    sequences; a decode graph has one token per sequence."""
+
+    tokens: int
+    seqs: int
+
+    @property
+    def decode(self) -> bool:
+        return self.tokens == self.seqs
 
 
 @dataclass
@@ -64,13 +83,15 @@ class InputBuffers:
                  max_loras: int, block_size: int, device: torch.device):
         self.block_size = block_size
         self.max_loras = max_loras
+        # A mixed graph holds every sequence a step may have, and its padding sequence.
+        self.mixed_graph_seqs = max_seqs + 1
         i32, i64 = torch.int32, torch.int64
         self.input_ids = _Buffer(max_tokens, i64, device)
         self.positions = _Buffer(max_tokens, i64, device)
         self.slot_mapping = _Buffer(max_tokens, i64, device)
-        self.query_start_loc = _Buffer(max_seqs + 1, i32, device)
-        self.seq_lens = _Buffer(max_seqs, i32, device)
-        self.block_tables = _Buffer((max_seqs, max_blocks_per_seq), i32, device)
+        self.query_start_loc = _Buffer(max_seqs + 2, i32, device)
+        self.seq_lens = _Buffer(max_seqs + 1, i32, device)
+        self.block_tables = _Buffer((max_seqs + 1, max_blocks_per_seq), i32, device)
         self.sample_rows = _Buffer(max_seqs, i64, device)
         self.token_slot = _Buffer(max_tokens, i32, device)
         self.sorted_token_ids = _Buffer(max_tokens, i64, device)
@@ -80,10 +101,10 @@ class InputBuffers:
         self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
         self._buffers = [b for b in vars(self).values() if isinstance(b, _Buffer)]
 
-    def prepare(self, plan: StepPlan, slot_ranks: list[int], pad_to: int | None = None,
+    def prepare(self, plan: StepPlan, slot_ranks: list[int], graph: GraphShape | None = None,
                 dora_slots: frozenset[int] | set[int] = frozenset()) -> StepInputs:
-        """Fill the buffers for `plan`. pad_to: a decode step run by a CUDA graph captured
-        for `pad_to` sequences; the rest are one-token padding sequences."""
+        """Fill the buffers for `plan`; graph: the shape of the CUDA graph that will run
+        it, to pad to."""
         for b in self._buffers:
             b.next_turn()
         bs = self.block_size
@@ -120,10 +141,19 @@ class InputBuffers:
         self.sample_rows.np[: len(sample_rows)] = sample_rows
         self.query_start_loc.np[: num_seqs + 1] = qsl
         self.seq_lens.np[:num_seqs] = seq_lens
-        if pad_to is not None:
-            assert num_tokens == num_seqs <= pad_to, "only decode steps are padded"
-            self._pad(num_seqs, pad_to)
-            num_tokens = num_seqs = pad_to
+        max_query_len = max(c.num_tokens for c in plan.chunks)
+        if graph is not None:
+            assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.decode, (plan, graph)
+            if graph.decode:
+                assert num_tokens == num_seqs, "a decode graph runs one token per sequence"
+                self._pad(num_seqs, graph.seqs)
+            else:
+                self._pad_mixed(num_tokens, num_seqs, graph)
+                max_query_len = graph.tokens  # as captured: the kernels for chunks of any length
+            num_tokens, num_seqs = graph.tokens, graph.seqs
+            # Host copies as the graph sees the batch (real sequences first, then padding).
+            qsl = self.query_start_loc.np[: num_seqs + 1].tolist()
+            seq_lens = self.seq_lens.np[:num_seqs].tolist()
 
         attn = AttentionBatch(
             slot_mapping=self.slot_mapping.upload(num_tokens),
@@ -132,7 +162,7 @@ class InputBuffers:
             block_tables=self.block_tables.upload(num_seqs, max_blocks),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
-            max_query_len=max(c.num_tokens for c in plan.chunks),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens),
         )
         return StepInputs(
@@ -153,27 +183,44 @@ class InputBuffers:
         self.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
         self.seq_lens.np[start:end] = 0
 
-    def graph_inputs(self, size: int, with_lora: bool) -> StepInputs:
-        """Static views of the buffers for capturing a decode graph of `size` sequences.
+    def _pad_mixed(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
+        """Tokens [num_tokens, graph.tokens) form one padding sequence with no context (it
+        attends to nothing); sequences after it up to graph.seqs are empty."""
+        tokens = slice(num_tokens, graph.tokens)
+        self.input_ids.np[tokens] = 0
+        self.positions.np[tokens] = 0
+        self.slot_mapping.np[tokens] = -1
+        self.token_slot.np[tokens] = -1
+        self.query_start_loc.np[num_seqs + 1 : graph.seqs + 1] = graph.tokens
+        self.seq_lens.np[num_seqs : graph.seqs] = 0
+
+    def graph_inputs(self, graph: GraphShape, with_lora: bool) -> StepInputs:
+        """Static views of the buffers for capturing a CUDA graph of shape `graph`.
 
         The views cover every row a replay may use; their contents at capture time are
         padding. Kernels read only device tensors, so the graph serves any later batch.
         """
+        size = graph.tokens
         self.query_start_loc.np[0] = 0
-        self._pad(0, size)
+        if graph.decode:
+            self._pad(0, size)
+        else:
+            self._pad_mixed(0, 0, graph)
         self.group_slots.np[:] = -1
         self.group_starts.np[:] = 0
         self.group_ranks.np[:] = 0
         self.sorted_token_ids.np[:size] = np.arange(size)
         n_groups = len(self.group_slots.np)
+        qsl = self.query_start_loc.np[: graph.seqs + 1].tolist()
         attn = AttentionBatch(
             slot_mapping=self.slot_mapping.upload(size),
-            query_start_loc=self.query_start_loc.upload(size + 1),
-            seq_lens=self.seq_lens.upload(size),
-            block_tables=self.block_tables.upload(size, self.block_tables.np.shape[1]),
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[0] * size,
-            max_query_len=1,
+            query_start_loc=self.query_start_loc.upload(graph.seqs + 1),
+            seq_lens=self.seq_lens.upload(graph.seqs),
+            block_tables=self.block_tables.upload(graph.seqs, self.block_tables.np.shape[1]),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=[0] * graph.seqs,
+            # Picks the kernels: one token per sequence, or chunks of any length.
+            max_query_len=1 if graph.decode else size,
             max_seq_len=0,
         )
         self.slot_ranks.np[:] = 0

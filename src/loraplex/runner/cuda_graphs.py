@@ -1,10 +1,15 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode steps and mixed steps (prefill chunks + decodes).
 
-A decode step launches hundreds of small kernels; replaying them from a graph removes
-the CPU launch cost. One graph is captured per padded batch size, and per adapter use
-(with or without the LoRA kernels, so base-only batches skip them entirely). All inputs
-live in the runner's static buffers, including the adapter slots and token groups, so
-one graph serves any mix of adapters and base requests.
+A step launches hundreds of kernels; replaying them from a graph removes the host's
+launch cost (15-50 us per call into torch or Triton), so the host can never be what a
+step waits for, however busy its other threads are (adapter loads). Decode graphs are
+captured per padded batch size; mixed graphs per padded token count, each holding every
+sequence a step may have. Every graph exists with and without the LoRA kernels (steps
+with no adapter skip them). All inputs live in the runner's static buffers, including the
+adapter slots and token groups, and every kernel finds its work from device tensors
+(ops.triton.segment_tiles), so one graph serves any mix of chunk lengths, adapters and
+base requests. Steps past the largest mixed graph run eagerly: at that size the device
+time dwarfs the host's.
 """
 
 from __future__ import annotations
@@ -17,9 +22,14 @@ import time
 import torch
 
 from loraplex.layers.context import ForwardContext, forward_context
-from loraplex.runner.batch_meta import InputBuffers
+from loraplex.runner.batch_meta import GraphShape, InputBuffers
 
 logger = logging.getLogger("loraplex")
+
+# Mixed graphs up to this many tokens. Padding costs little: GEMMs tile M by 128 anyway,
+# and padding tokens attend to nothing and use no adapter.
+MIXED_GRAPH_MAX_TOKENS = 2048
+MIXED_GRAPH_STEP = 128
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -30,17 +40,28 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    top = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
+    sizes = list(range(MIXED_GRAPH_STEP, top + 1, MIXED_GRAPH_STEP))
+    if not sizes or sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class StepGraphs:
     def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
-                 with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
+                 max_tokens: int | None, with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
                  moe_stats: torch.Tensor | None = None):
+        """max_tokens: the largest mixed step (max_num_batched_tokens); None: decode
+        graphs only."""
         self.model = model
         self.moe_stats = moe_stats
         self.aux_stream = aux_stream
         self.inputs = inputs
-        self.sizes = graph_batch_sizes(max_batch)
+        self.decode_sizes = graph_batch_sizes(max_batch)
+        self.mixed_sizes = mixed_graph_sizes(max_tokens) if max_tokens else []
         self.lora_variants = (False, True) if with_lora else (False,)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[GraphShape, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -58,30 +79,47 @@ class DecodeGraphs:
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its memory
+        shapes = [GraphShape(s, s) for s in self.decode_sizes]
+        shapes += [GraphShape(t, self.inputs.mixed_graph_seqs) for t in self.mixed_sizes]
+        # Largest first: smaller graphs reuse its memory.
+        for shape in sorted(shapes, key=lambda g: g.tokens, reverse=True):
             for lora in self.lora_variants:
-                step = self.inputs.graph_inputs(size, lora)
-                ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=self.aux_stream,
-                                     moe_stats=self.moe_stats)
+                step = self.inputs.graph_inputs(shape, lora)
+                # The LoRA shrink beside the base GEMM on the side stream pays in decode
+                # (skinny GEMMs leave the GPU idle); in larger steps it gained nothing.
+                ctx = ForwardContext(attn=step.attn, lora=step.lora,
+                                     aux_stream=self.aux_stream if shape.decode else None,
+                                     moe_stats=self.moe_stats if shape.decode else None)
                 with forward_context(ctx):
                     self.model(step.input_ids, step.positions)  # compile kernels, warm up
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         hidden = self.model(step.input_ids, step.positions)
-                self._graphs[(size, lora)] = (graph, hidden)
+                self._graphs[(shape, lora)] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d decode graphs (batch sizes %s, with and without adapters) in %.1f s",
-            len(self._graphs), ",".join(map(str, self.sizes)), time.perf_counter() - t0,
+            "captured %d CUDA graphs in %.1f s: decode batch sizes %s; mixed steps of up to %s tokens "
+            "(%d sizes); with and without adapters", len(self._graphs), time.perf_counter() - t0,
+            ",".join(map(str, self.decode_sizes)), self.mixed_sizes[-1] if self.mixed_sizes else 0,
+            len(self.mixed_sizes),
         )
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        """The graph batch size that serves `num_seqs` decodes, or None if too many."""
-        i = bisect.bisect_left(self.sizes, num_seqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+    def shape_for(self, num_tokens: int, num_seqs: int) -> GraphShape | None:
+        """The graph that serves a step of num_tokens tokens in num_seqs sequences, or
+        None (run it eagerly)."""
+        if num_tokens == num_seqs:  # decode
+            i = bisect.bisect_left(self.decode_sizes, num_seqs)
+            if i < len(self.decode_sizes):
+                return GraphShape(self.decode_sizes[i], self.decode_sizes[i])
+        i = bisect.bisect_left(self.mixed_sizes, num_tokens)
+        if i < len(self.mixed_sizes) and num_seqs < self.inputs.mixed_graph_seqs:
+            return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs)
+        return None
 
-    def replay(self, size: int, with_lora: bool) -> torch.Tensor:
-        graph, hidden = self._graphs[(size, with_lora)]
+    def replay(self, shape: GraphShape, with_lora: bool) -> torch.Tensor:
+        """Run the graph of `shape` on the inputs in the buffers it reads (filled by
+        InputBuffers.prepare with graph=shape); returns its hidden states."""
+        graph, hidden = self._graphs[(shape, with_lora)]
         graph.replay()
         return hidden

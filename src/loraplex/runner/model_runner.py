@@ -29,7 +29,7 @@ from loraplex.models.weights import (
     projection_index,
 )
 from loraplex.runner.batch_meta import InputBuffers
-from loraplex.runner.cuda_graphs import DecodeGraphs
+from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, concat_logprobs
 from loraplex.types import (
@@ -72,7 +72,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids  # min_tokens bans these
-        self.graphs: DecodeGraphs | None = None  # captured after the KV cache exists
+        self.graphs: StepGraphs | None = None  # captured after the KV cache exists
         # The last step's sampled ids on the device, and each request's row in them.
         self._last_token_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -96,9 +96,11 @@ class ModelRunner:
         self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
                           if config.measure_moe_routing and config.model.moe_layers else None)
         self.num_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self.inputs, min(sched.max_num_seqs, 256), self.lora_slots is not None,
+        if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
+                and config.cudagraph_mode != "NONE"):
+            mixed = sched.max_num_batched_tokens if config.cudagraph_mode == "FULL" else None
+            self.graphs = StepGraphs(
+                self.model, self.inputs, min(sched.max_num_seqs, 256), mixed, self.lora_slots is not None,
                 self.aux_stream, self.moe_stats,
             )
             with ops.using_backend(config.ops_backend):
@@ -273,14 +275,13 @@ class ModelRunner:
                 torch.cuda.current_stream().wait_event(ready)
         ranks = self.lora_slots.ranks if self.lora_slots else []
         dora = self.lora_slots.dora_slots if self.lora_slots else set()
-        graph_size = None
-        if (self.graphs is not None and all(c.num_tokens == 1 for c in plan.chunks)
-                and not any(c.lora_slot in dora for c in plan.chunks)):  # DoRA runs eager
-            graph_size = self.graphs.padded_size(len(plan.chunks))
-        inputs = self.inputs.prepare(plan, ranks, pad_to=graph_size, dora_slots=dora)
+        graph = None
+        if self.graphs is not None and not any(c.lora_slot in dora for c in plan.chunks):  # DoRA: eager
+            graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks))
+        inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora)
         self._feed_pending_tokens(plan, inputs.input_ids)
-        if graph_size is not None:
-            hidden = self.graphs.replay(graph_size, inputs.lora is not None)
+        if graph is not None:
+            hidden = self.graphs.replay(graph, inputs.lora is not None)
         else:
             decode = inputs.attn.max_query_len == 1
             # No side stream for the LoRA shrink here: an eager step waits on its host, and

@@ -13,6 +13,8 @@ import json
 import logging
 from pathlib import Path
 
+from loraplex.config import CUDAGRAPH_MODES
+
 logger = logging.getLogger("loraplex")
 
 DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "demo_adapters"
@@ -53,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES,
+                   help="steps replayed from CUDA graphs: all up to 2048 tokens, decode only, none")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
 
 
@@ -100,6 +104,7 @@ def build_server(args):
         lora_load_timeout=args.lora_load_timeout,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+        cudagraph_mode=args.cudagraph_mode,
     )
     names = args.served_model_name or [model if args.model else NAME]
     served = ServedModels(names, llm.engine.adapters.registry if llm.engine.adapters else None)

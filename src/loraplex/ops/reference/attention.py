@@ -37,6 +37,9 @@ def paged_attention(
     for b, ctx_len in enumerate(batch.seq_lens_cpu):
         q_start, q_end = qsl[b], qsl[b + 1]
         n = q_end - q_start
+        if ctx_len == 0:  # padding: no key to attend to
+            out[q_start:q_end] = 0
+            continue
         pages = batch.block_tables[b, : -(-ctx_len // block_size)]
         k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
         v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:ctx_len]
@@ -50,7 +53,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         else:
             o = _attention_with_sinks(qb, k, v, mask, scale, sinks)
-        out[q_start:q_end] = o.transpose(0, 1)
+        # Rows with no visible key (a context shorter than the query: padding) are zero.
+        out[q_start:q_end] = o.transpose(0, 1).masked_fill(~mask.any(-1)[:, None, None], 0)
     return out
 
 

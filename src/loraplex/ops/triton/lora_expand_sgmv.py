@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.triton.lora_common import column_alignment, lora_tiles, rank_ceil, slice_starts
+from loraplex.ops.triton.lora_common import column_alignment, rank_ceil, slice_starts
 from loraplex.ops.triton.precision import dot_settings
+from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
 # A program loads its B tile once and walks TILE_BLOCKS token blocks of its group. Blocks
@@ -33,11 +34,10 @@ def expand_config(num_tokens: int) -> dict:
     return dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILE_BLOCKS=TILE_BLOCKS, num_warps=NUM_WARPS)
 
 
-@triton.jit(do_not_specialize=["num_tiles", "m_blocks"])
+@triton.jit(do_not_specialize=["num_groups"])
 def _lora_expand_kernel(
     buf_ptr, b_ptr, y_ptr,
-    sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr,
-    tiles_ptr, num_tiles, m_blocks,
+    sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr, num_groups,
     slice_starts_ptr,
     stride_bs, stride_bm, stride_br,
     stride_wl, stride_wn, stride_wr,
@@ -45,7 +45,7 @@ def _lora_expand_kernel(
     N_BLOCKS_PER_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    EXPLICIT_TILES: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     pid_sn = tl.program_id(0)  # slice * N_BLOCKS_PER_SLICE + column block
     tile = tl.program_id(1)
@@ -56,18 +56,13 @@ def _lora_expand_kernel(
     n0 = col0 + (pid_sn % N_BLOCKS_PER_SLICE) * BLOCK_N
     if n0 >= col_end:
         return
-    if EXPLICIT_TILES:
-        group = tl.load(tiles_ptr + tile)
-        m0 = tl.load(tiles_ptr + num_tiles + tile)
-    else:
-        group = tile // m_blocks
-        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * (BLOCK_M * TILE_BLOCKS)
+    group, m0 = find_tile(tile, group_starts_ptr, num_groups, BLOCK_M * TILE_BLOCKS)
+    if group >= num_groups:
+        return
     slot = tl.load(group_slots_ptr + group)
     if slot < 0:
         return
     end = tl.minimum(tl.load(group_starts_ptr + group + 1), m0 + BLOCK_M * TILE_BLOCKS)
-    if m0 >= end:
-        return
     rank = tl.load(group_ranks_ptr + group)
 
     offs_r = tl.arange(0, BLOCK_R)
@@ -109,13 +104,11 @@ def lora_expand_sgmv(
     cfg = expand_config(num_tokens)
     n_blocks = triton.cdiv(max(slice_sizes), cfg["BLOCK_N"])
     span = cfg["BLOCK_M"] * cfg["TILE_BLOCKS"]
-    tiles, num_tiles = lora_tiles(batch, num_tokens, span)
-    grid = (num_slices * n_blocks, num_tiles)
+    num_groups = batch.group_slots.shape[0]
+    grid = (num_slices * n_blocks, max_tiles(num_tokens, num_groups, span))
     _lora_expand_kernel[grid](
         buf, lora_b, y,
-        batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
-        tiles if tiles is not None else batch.group_slots, num_tiles,
-        triton.cdiv(num_tokens, span),
+        batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks, num_groups,
         slice_starts(tuple(slice_sizes), y.device),
         *buf.stride(),
         *lora_b.stride(),
@@ -126,7 +119,6 @@ def lora_expand_sgmv(
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         TILE_BLOCKS=cfg["TILE_BLOCKS"],
         **dot_settings(lora_b.dtype),
-        EXPLICIT_TILES=tiles is not None,
         ALIGN=column_alignment(slice_sizes),
         num_warps=cfg["num_warps"],
     )

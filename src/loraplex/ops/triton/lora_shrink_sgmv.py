@@ -7,9 +7,9 @@ GEMM (SGMV). In decode each group has a token or a few and the op is a skinny GE
 in_features (K = 4096+): split-K spreads that K over many programs, which atomically add
 their fp32 partial sums. Only the group's own rank is read (masked columns of A are never
 loaded), and all slices of a fused projection (q/k/v, gate/up) run in one launch.
-Tiles come from `lora_tiles`: exact in eager steps; in CUDA graphs the grid depends only
-on the token count and max_loras, never on the adapter mix, so one graph serves every
-batch composition.
+Each program finds its (group, token block) on the device (`find_tile`), so the grid
+depends only on the token count and max_loras, never on the adapter mix: one launch,
+eager or captured in a CUDA graph, serves every batch composition.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
-from loraplex.ops.triton.lora_common import lora_tiles
 from loraplex.ops.triton.precision import dot_settings
+from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
 # Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
 BLOCK_M, BLOCK_K, NUM_WARPS = 32, 128, 4
@@ -39,35 +39,27 @@ def shrink_config(num_tokens: int, in_features: int) -> dict:
                 num_warps=NUM_WARPS)
 
 
-@triton.jit(do_not_specialize=["K", "num_tiles", "m_blocks"])
+@triton.jit(do_not_specialize=["K", "num_groups"])
 def _lora_shrink_kernel(
     x_ptr, a_ptr, out_ptr,
-    sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr,
-    tiles_ptr, num_tiles, m_blocks,
+    sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr, num_groups,
     K,
     stride_xm, stride_xk,
     stride_as, stride_al, stride_ar, stride_ak,
     stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    EXPLICIT_TILES: tl.constexpr,
 ):
     pid_sk = tl.program_id(0)  # slice * SPLIT_K + k-split
-    tile = tl.program_id(1)
     s = pid_sk // SPLIT_K
     k_split = pid_sk % SPLIT_K
-    if EXPLICIT_TILES:
-        group = tl.load(tiles_ptr + tile)
-        m0 = tl.load(tiles_ptr + num_tiles + tile)
-    else:
-        group = tile // m_blocks
-        m0 = tl.load(group_starts_ptr + group) + (tile % m_blocks) * BLOCK_M
+    group, m0 = find_tile(tl.program_id(1), group_starts_ptr, num_groups, BLOCK_M)
+    if group >= num_groups:
+        return
     slot = tl.load(group_slots_ptr + group)
     if slot < 0:
         return
     end = tl.load(group_starts_ptr + group + 1)
-    if m0 >= end:
-        return
     rank = tl.load(group_ranks_ptr + group)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -106,13 +98,11 @@ def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
     out = (torch.zeros if split_k > 1 else torch.empty)(
         num_slices, num_tokens, max_rank, dtype=torch.float32, device=x.device
     )
-    tiles, num_tiles = lora_tiles(batch, num_tokens, cfg["BLOCK_M"])
-    grid = (num_slices * split_k, num_tiles)
+    num_groups = batch.group_slots.shape[0]
+    grid = (num_slices * split_k, max_tiles(num_tokens, num_groups, cfg["BLOCK_M"]))
     _lora_shrink_kernel[grid](
         x, lora_a, out,
-        batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks,
-        tiles if tiles is not None else batch.group_slots, num_tiles,
-        triton.cdiv(num_tokens, cfg["BLOCK_M"]),
+        batch.sorted_token_ids, batch.group_slots, batch.group_starts, batch.group_ranks, num_groups,
         in_features,
         x.stride(0), x.stride(1),
         *lora_a.stride(),
@@ -123,7 +113,6 @@ def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
         SPLIT_K=split_k,
         EVEN_K=in_features % cfg["BLOCK_K"] == 0,
         **dot_settings(x.dtype),
-        EXPLICIT_TILES=tiles is not None,
         num_warps=cfg["num_warps"],
     )
     return out

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache for prefill chunks and decodes alike (flash style).
 
-Each program owns one sequence, one KV head and a block of query rows. A row is one
+Each program owns one KV head and a block of query rows of one sequence. A row is one
 (query token, query head) pair of that KV head's group, so with grouped-query attention
 a decode token brings all its query heads (e.g. 4) into one tile and each key/value page
 is read once for the whole group. The program walks the sequence's block table over the
@@ -10,6 +10,13 @@ already in the cache (write_kv_cache runs first): a chunk appended to a cached p
 and a single decode token are the same case. Decode batches whose contexts may span
 several partitions go to the split-KV kernels of paged_decode.py instead, which spread
 each context over several programs.
+
+Steps with longer chunks number their (sequence, query block) tiles sequence after
+sequence, and each program finds its own from query_start_loc on the device
+(`find_tile`): the launch depends only on the token and sequence counts, so one CUDA
+graph serves any split of a step's tokens into chunks. A sequence whose context is
+shorter than its query (the padding of such a graph: seq_lens 0) sees no key: its rows
+come out zero.
 
 Attention sinks (gpt-oss) start each row's online softmax as if one key with logit
 sinks[head] and a zero value had been seen: running max = sink, sum = 1.
@@ -25,6 +32,7 @@ from loraplex.ops.metadata import AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
+from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
 
 def attention_config(max_query_len: int, group: int, row_bytes: int = 256) -> dict:
@@ -40,10 +48,10 @@ def attention_config(max_query_len: int, group: int, row_bytes: int = 256) -> di
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, sinks_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, num_seqs,
     scale, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -53,17 +61,21 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, ONE_TOKEN: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(1)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
+    if ONE_TOKEN:  # decode: program i is sequence i's token
+        seq = tl.program_id(0)
+        q_block = 0
+    else:
+        seq, first = find_tile(tl.program_id(0), query_start_loc_ptr, num_seqs, BLOCK_Q)
+        if seq >= num_seqs:
+            return
+        q_block = (first - tl.load(query_start_loc_ptr + seq)) // BLOCK_Q
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
-        return
     ctx_len = tl.load(seq_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_M)
@@ -137,17 +149,19 @@ def paged_attention(
     cfg = attention_config(batch.max_query_len, group, triton.next_power_of_2(head_dim) * q.element_size())
     block_q = cfg["BLOCK_M"] // group
     assert block_q >= 1, "a tile must hold at least one token's query heads"
-    grid = (triton.cdiv(batch.max_query_len, block_q), batch.num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
+    num_seqs = batch.seq_lens.shape[0]
+    one_token = batch.max_query_len == 1
+    tiles = num_seqs if one_token else max_tiles(num_tokens, num_seqs, block_q)
+    _paged_attention_kernel[(tiles, num_kv_heads)](
         q, k_cache, v_cache, out, q if sinks is None else sinks,  # q: a pointer never read
-        batch.block_tables, batch.seq_lens, batch.query_start_loc,
+        batch.block_tables, batch.seq_lens, batch.query_start_loc, num_seqs,
         scale, sliding_window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         batch.block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
-        **dot_settings(q.dtype),
+        **dot_settings(q.dtype), ONE_TOKEN=one_token,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
