@@ -280,9 +280,10 @@ class EngineConfig:
     load_format: str  # "auto" (safetensors) or "dummy" (random weights)
     ops_backend: str = "torch"  # "torch" (reference ops) or "triton" (kernels)
     enforce_eager: bool = False  # True: no CUDA graphs
-    # Which steps replay CUDA graphs (vLLM's names): "FULL" every step up to 2048 tokens
-    # (decode and mixed), "FULL_DECODE_ONLY" decode steps only, "NONE" none.
+    # Which steps replay CUDA graphs (vLLM's names): "FULL" decode steps and mixed steps
+    # of up to max_cudagraph_capture_size tokens, "FULL_DECODE_ONLY" decode steps, "NONE".
     cudagraph_mode: str = "FULL"
+    max_cudagraph_capture_size: int = 2048
     # MoE: count the distinct experts each decode step routes to (benchmarks; costs a few
     # small kernels per layer).
     measure_moe_routing: bool = False
@@ -294,6 +295,8 @@ class EngineConfig:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
                              f"got {self.cudagraph_mode!r}")
+        if self.max_cudagraph_capture_size <= 0:
+            raise ValueError("max_cudagraph_capture_size must be > 0")
 
     @property
     def max_blocks_per_seq(self) -> int:

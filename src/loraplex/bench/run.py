@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES)
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=2048)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     p.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead")
     p.add_argument("--served-model-name", default=None)
@@ -152,7 +153,8 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         max_cpu_lora_bytes=int(args.max_cpu_lora_memory * 2**30) if args.max_cpu_lora_memory else None,
         max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode, measure_moe_routing=True,
+        enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size, measure_moe_routing=True,
     )
     engine = llm.engine
     vocab = llm.config.model.vocab_size

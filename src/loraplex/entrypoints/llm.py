@@ -66,6 +66,7 @@ class LLM:
         ops_backend: str = "auto",
         enforce_eager: bool = False,
         cudagraph_mode: str = "FULL",
+        max_cudagraph_capture_size: int = 2048,
         async_scheduling: bool = True,
         measure_moe_routing: bool = False,
     ):
@@ -89,6 +90,7 @@ class LLM:
             ops_backend=_resolve_backend(ops_backend, device),
             enforce_eager=enforce_eager,
             cudagraph_mode="NONE" if enforce_eager else cudagraph_mode,
+            max_cudagraph_capture_size=max_cudagraph_capture_size,
             measure_moe_routing=measure_moe_routing,
             cache=CacheConfig(
                 block_size=block_size,

@@ -26,10 +26,10 @@ from loraplex.runner.batch_meta import GraphShape, InputBuffers
 
 logger = logging.getLogger("loraplex")
 
-# Mixed graphs up to this many tokens. Padding costs little: GEMMs tile M by 128 anyway,
-# and padding tokens attend to nothing and use no adapter.
-MIXED_GRAPH_MAX_TOKENS = 2048
-MIXED_GRAPH_STEP = 128
+# Mixed graphs come one per multiple of MIXED_GRAPH_STEP tokens (up to the engine's
+# max_cudagraph_capture_size). Padding tokens attend to nothing and use no adapter, but
+# the GEMMs compute them.
+MIXED_GRAPH_STEP = 64
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -41,7 +41,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    top = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
+    top = max_tokens
     sizes = list(range(MIXED_GRAPH_STEP, top + 1, MIXED_GRAPH_STEP))
     if not sizes or sizes[-1] != top:
         sizes.append(top)
@@ -52,8 +52,7 @@ class StepGraphs:
     def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
                  max_tokens: int | None, with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
                  moe_stats: torch.Tensor | None = None):
-        """max_tokens: the largest mixed step (max_num_batched_tokens); None: decode
-        graphs only."""
+        """max_tokens: the largest mixed step to capture; None: decode graphs only."""
         self.model = model
         self.moe_stats = moe_stats
         self.aux_stream = aux_stream

@@ -98,7 +98,8 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
                 and config.cudagraph_mode != "NONE"):
-            mixed = sched.max_num_batched_tokens if config.cudagraph_mode == "FULL" else None
+            mixed = (min(sched.max_num_batched_tokens, config.max_cudagraph_capture_size)
+                     if config.cudagraph_mode == "FULL" else None)
             self.graphs = StepGraphs(
                 self.model, self.inputs, min(sched.max_num_seqs, 256), mixed, self.lora_slots is not None,
                 self.aux_stream, self.moe_stats,

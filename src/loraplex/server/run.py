@@ -56,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES,
-                   help="steps replayed from CUDA graphs: all up to 2048 tokens, decode only, none")
+                   help="steps replayed from CUDA graphs: decode and mixed steps, decode only, none")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
+                   help="the largest mixed step (tokens) replayed from a CUDA graph")
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
 
 
@@ -104,7 +106,7 @@ def build_server(args):
         lora_load_timeout=args.lora_load_timeout,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-        cudagraph_mode=args.cudagraph_mode,
+        cudagraph_mode=args.cudagraph_mode, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
     )
     names = args.served_model_name or [model if args.model else NAME]
     served = ServedModels(names, llm.engine.adapters.registry if llm.engine.adapters else None)

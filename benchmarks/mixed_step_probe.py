@@ -1,0 +1,104 @@
+"""A mixed step (prompt chunks + decodes) run eagerly and from CUDA graphs, on the device.
+
+For token counts T, a plan of prompt chunks (up to 512 tokens each) plus 28 one-token
+decodes on 600-token contexts, the way a serving step with new arrivals looks; device
+time per step (CUDA events around launch + collect, median of --reps) for: eager; the
+graph of T's padded bucket; and a graph captured for exactly T tokens (what padding
+costs). No sampling: the forward only.
+
+    python benchmarks/mixed_step_probe.py --tokens 512 1024 1488 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from loraplex import LLM, SamplingParams, ops
+from loraplex.bench.workload import prepare_model_dir
+from loraplex.runner.batch_meta import GraphShape
+from loraplex.runner.cuda_graphs import StepGraphs
+from loraplex.types import ScheduledChunk, StepPlan
+
+
+def mixed_plan(num_tokens: int, decodes: int, block_size: int, context: int = 600) -> StepPlan:
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    chunks, next_block = [], 0
+
+    def chunk(i, n, start):
+        nonlocal next_block
+        pages = math.ceil((start + n) / block_size)
+        c = ScheduledChunk(request_id=f"p{i}", token_ids=[7] * n, start_pos=start,
+                           block_ids=list(range(next_block, next_block + pages)), lora_slot=-1,
+                           sample=False, sampling=sp, num_output_tokens=0)
+        next_block += pages
+        return c
+
+    for i in range(decodes):
+        chunks.append(chunk(f"d{i}", 1, context))
+    left, i = num_tokens - decodes, 0
+    while left > 0:
+        n = min(512, left)
+        chunks.append(chunk(i, n, 0))
+        left, i = left - n, i + 1
+    return StepPlan(chunks=chunks)
+
+
+def device_ms(runner, plan: StepPlan, reps: int) -> float:
+    times = []
+    for _ in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        runner.collect(runner.launch(plan))
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 1488, 2048])
+    p.add_argument("--decodes", type=int, default=28)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
+    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", enable_lora=False,
+              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
+    runner = llm.engine.runner
+    graphs, bs = runner.graphs, llm.config.cache.block_size
+    results = {}
+    for t in args.tokens:
+        plan = mixed_plan(t, args.decodes, bs)
+        runner.graphs = None
+        eager = device_ms(runner, plan, args.reps)
+        runner.graphs = graphs
+        bucket = graphs.shape_for(t, len(plan.chunks))
+        padded = device_ms(runner, plan, args.reps)
+        exact = StepGraphs(runner.model, runner.inputs, 1, None, False)
+        exact.decode_sizes, exact.mixed_sizes = [], [t]
+        with ops.using_backend("triton"):
+            exact.capture()
+        runner.graphs = exact
+        assert exact.shape_for(t, len(plan.chunks)) == GraphShape(t, runner.inputs.mixed_graph_seqs)
+        exact_ms = device_ms(runner, plan, args.reps)
+        runner.graphs = graphs
+        del exact
+        results[t] = dict(eager=eager, bucket=bucket.tokens, graph_bucket=padded, graph_exact=exact_ms)
+        print(f"{t} tokens ({len(plan.chunks)} seqs): eager {eager:.2f} ms, graph of {bucket.tokens} "
+              f"{padded:.2f} ms, graph of exactly {t} {exact_ms:.2f} ms", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
