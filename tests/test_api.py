@@ -125,6 +125,12 @@ def test_invalid_requests_raise_typed_errors(model_dirs):
     assert llm.generate([ok], SP)[0].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("bad", [dict(cudagraph_mode="PIECEWISE"), dict(max_cudagraph_capture_size=0)])
+def test_invalid_cuda_graph_settings_are_refused(model_dirs, bad):
+    with pytest.raises(ValueError, match="cudagraph"):
+        make_llm(model_dirs["qwen2"], **bad)
+
+
 def test_cli_generate(model_dirs, adapter_dirs, capsys):
     from loraplex.entrypoints.cli import main
 

@@ -33,7 +33,8 @@ class LLM:
     on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
     the model's max_position_embeddings. ops_backend="auto" runs Triton kernels on GPU
     and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs
-    (cudagraph_mode="FULL_DECODE_ONLY" keeps them for decode steps only).
+    (cudagraph_mode="FULL_DECODE_ONLY" keeps them for decode steps only; mixed steps of
+    up to max_cudagraph_capture_size tokens replay them by default).
     async_scheduling plans and launches each step before reading the previous one's
     tokens (as vLLM's --async-scheduling), hiding host work behind the device's.
     """
