@@ -275,3 +275,24 @@ def test_steps_padded_to_a_graph_shape_change_no_token(model_dirs, adapter_dirs,
         da = torch.tensor([x[t].logprob for x, t in zip(a.prompt_logprobs[1:], p[1:])])
         db = torch.tensor([x[t].logprob for x, t in zip(b.prompt_logprobs[1:], p[1:])])
         assert (da - db).abs().max().item() <= tol
+
+
+def test_graph_shape_for_each_step():
+    """Decode steps get the smallest decode graph that holds them, other steps the
+    mixed graph of their token count rounded up to 64, holding max_num_seqs + 1
+    sequences; a mixed graph never stands for a decode one, even at equal sizes."""
+    from types import SimpleNamespace
+
+    from loraplex.runner.batch_meta import GraphShape
+    from loraplex.runner.cuda_graphs import StepGraphs
+
+    graphs = StepGraphs(model=None, inputs=SimpleNamespace(mixed_graph_seqs=64), max_batch=63,
+                        max_tokens=1000, with_lora=False)
+    assert graphs.decode_sizes == [1, 2, 4, 8, 16, 32, 48, 63]
+    assert graphs.mixed_sizes[:2] == [64, 128] and graphs.mixed_sizes[-2:] == [960, 1000]
+    assert graphs.shape_for(5, 5) == GraphShape(8, 8, decode=True)
+    assert graphs.shape_for(64, 3) == GraphShape(64, 64, decode=False)
+    assert graphs.shape_for(64, 64) is None  # 64 decodes: no decode graph, no padding sequence
+    assert graphs.shape_for(63, 63) == GraphShape(63, 63, decode=True)
+    assert graphs.shape_for(65, 40) == GraphShape(128, 64, decode=False)
+    assert graphs.shape_for(1001, 40) is None  # past the largest: eager

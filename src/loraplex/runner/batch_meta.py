@@ -27,14 +27,12 @@ from loraplex.types import StepPlan
 @dataclass(frozen=True)
 class GraphShape:
     """The padded shape a CUDA graph was captured for: `tokens` tokens in `seqs`
-    sequences; a decode graph has one token per sequence."""
+    sequences; a decode graph has one token per sequence, padded with one-token
+    sequences, a mixed one chunks of any length, padded as _pad_mixed says."""
 
     tokens: int
     seqs: int
-
-    @property
-    def decode(self) -> bool:
-        return self.tokens == self.seqs
+    decode: bool
 
 
 @dataclass

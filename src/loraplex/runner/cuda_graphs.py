@@ -78,8 +78,8 @@ class StepGraphs:
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        shapes = [GraphShape(s, s) for s in self.decode_sizes]
-        shapes += [GraphShape(t, self.inputs.mixed_graph_seqs) for t in self.mixed_sizes]
+        shapes = [GraphShape(s, s, decode=True) for s in self.decode_sizes]
+        shapes += [GraphShape(t, self.inputs.mixed_graph_seqs, decode=False) for t in self.mixed_sizes]
         # Largest first: smaller graphs reuse its memory.
         for shape in sorted(shapes, key=lambda g: g.tokens, reverse=True):
             for lora in self.lora_variants:
@@ -110,10 +110,10 @@ class StepGraphs:
         if num_tokens == num_seqs:  # decode
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
             if i < len(self.decode_sizes):
-                return GraphShape(self.decode_sizes[i], self.decode_sizes[i])
+                return GraphShape(self.decode_sizes[i], self.decode_sizes[i], decode=True)
         i = bisect.bisect_left(self.mixed_sizes, num_tokens)
         if i < len(self.mixed_sizes) and num_seqs < self.inputs.mixed_graph_seqs:
-            return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs)
+            return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs, decode=False)
         return None
 
     def replay(self, shape: GraphShape, with_lora: bool) -> torch.Tensor:
