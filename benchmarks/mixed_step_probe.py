@@ -69,12 +69,17 @@ def main():
     p.add_argument("--decodes", type=int, default=28)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
+    p.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                   help="the BLAS library of the eager and exact-size runs (graphs of the "
+                        "buckets keep the engine's, chosen at capture)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", enable_lora=False,
               max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
     runner = llm.engine.runner
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     graphs, bs = runner.graphs, llm.config.cache.block_size
     results = {}
     for t in args.tokens:
