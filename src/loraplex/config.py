@@ -279,9 +279,9 @@ class EngineConfig:
     seed: int
     load_format: str  # "auto" (safetensors) or "dummy" (random weights)
     ops_backend: str = "torch"  # "torch" (reference ops) or "triton" (kernels)
-    enforce_eager: bool = False  # True: no CUDA graphs
     # Which steps replay CUDA graphs (vLLM's names): "FULL" decode steps and mixed steps
-    # of up to max_cudagraph_capture_size tokens, "FULL_DECODE_ONLY" decode steps, "NONE".
+    # of up to max_cudagraph_capture_size tokens, "FULL_DECODE_ONLY" decode steps, "NONE"
+    # (what LLM(enforce_eager=True) asks for).
     cudagraph_mode: str = "FULL"
     max_cudagraph_capture_size: int = 2048
     # MoE: count the distinct experts each decode step routes to (benchmarks; costs a few

@@ -89,7 +89,6 @@ class LLM:
             seed=seed,
             load_format="dummy" if load_format == "dummy" else "auto",
             ops_backend=_resolve_backend(ops_backend, device),
-            enforce_eager=enforce_eager,
             cudagraph_mode="NONE" if enforce_eager else cudagraph_mode,
             max_cudagraph_capture_size=max_cudagraph_capture_size,
             measure_moe_routing=measure_moe_routing,

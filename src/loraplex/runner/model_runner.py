@@ -96,8 +96,7 @@ class ModelRunner:
         self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
                           if config.measure_moe_routing and config.model.moe_layers else None)
         self.num_blocks = self._allocate_kv_cache()
-        if (self.device.type == "cuda" and config.ops_backend == "triton" and not config.enforce_eager
-                and config.cudagraph_mode != "NONE"):
+        if self.device.type == "cuda" and config.ops_backend == "triton" and config.cudagraph_mode != "NONE":
             mixed = (min(sched.max_num_batched_tokens, config.max_cudagraph_capture_size)
                      if config.cudagraph_mode == "FULL" else None)
             self.graphs = StepGraphs(
