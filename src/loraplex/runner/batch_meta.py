@@ -28,7 +28,7 @@ from loraplex.types import StepPlan
 class GraphShape:
     """The padded shape a CUDA graph was captured for: `tokens` tokens in `seqs`
     sequences; a decode graph has one token per sequence, padded with one-token
-    sequences, a mixed one chunks of any length, padded as _pad_mixed says."""
+    sequences, a mixed one chunks of any length, padded as InputBuffers._pad says."""
 
     tokens: int
     seqs: int
@@ -142,11 +142,9 @@ class InputBuffers:
         max_query_len = max(c.num_tokens for c in plan.chunks)
         if graph is not None:
             assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.decode, (plan, graph)
-            if graph.decode:
-                assert num_tokens == num_seqs, "a decode graph runs one token per sequence"
-                self._pad(num_seqs, graph.seqs)
-            else:
-                self._pad_mixed(num_tokens, num_seqs, graph)
+            assert num_tokens == num_seqs or not graph.decode, "a decode graph runs one token per sequence"
+            self._pad(num_tokens, num_seqs, graph)
+            if not graph.decode:
                 max_query_len = graph.tokens  # as captured: the kernels for chunks of any length
             num_tokens, num_seqs = graph.tokens, graph.seqs
             # Host copies as the graph sees the batch (real sequences first, then padding).
@@ -172,24 +170,18 @@ class InputBuffers:
             sample_chunks=sample_chunks,
         )
 
-    def _pad(self, start: int, end: int) -> None:
-        """Padding sequences [start, end): one token each, no KV slot, no context, no adapter."""
-        self.input_ids.np[start:end] = 0
-        self.positions.np[start:end] = 0
-        self.slot_mapping.np[start:end] = -1
-        self.token_slot.np[start:end] = -1
-        self.query_start_loc.np[start + 1 : end + 1] = np.arange(start + 1, end + 1)
-        self.seq_lens.np[start:end] = 0
-
-    def _pad_mixed(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
-        """Tokens [num_tokens, graph.tokens) form one padding sequence with no context (it
-        attends to nothing); sequences after it up to graph.seqs are empty."""
+    def _pad(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
+        """Pad a batch of num_tokens tokens in num_seqs sequences to `graph`'s shape. The
+        padding tokens have no KV slot and no adapter; they are one-token sequences of no
+        context in a decode graph, and one sequence of no context in a mixed graph, after
+        which the graph's remaining sequences are empty. Either way they attend to nothing."""
         tokens = slice(num_tokens, graph.tokens)
         self.input_ids.np[tokens] = 0
         self.positions.np[tokens] = 0
         self.slot_mapping.np[tokens] = -1
         self.token_slot.np[tokens] = -1
-        self.query_start_loc.np[num_seqs + 1 : graph.seqs + 1] = graph.tokens
+        ends = self.query_start_loc.np[num_seqs + 1 : graph.seqs + 1]
+        ends[:] = np.arange(num_tokens + 1, graph.tokens + 1) if graph.decode else graph.tokens
         self.seq_lens.np[num_seqs : graph.seqs] = 0
 
     def graph_inputs(self, graph: GraphShape, with_lora: bool) -> StepInputs:
@@ -200,10 +192,7 @@ class InputBuffers:
         """
         size = graph.tokens
         self.query_start_loc.np[0] = 0
-        if graph.decode:
-            self._pad(0, size)
-        else:
-            self._pad_mixed(0, 0, graph)
+        self._pad(0, 0, graph)
         self.group_slots.np[:] = -1
         self.group_starts.np[:] = 0
         self.group_ranks.np[:] = 0
