@@ -41,10 +41,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    top = max_tokens
-    sizes = list(range(MIXED_GRAPH_STEP, top + 1, MIXED_GRAPH_STEP))
-    if not sizes or sizes[-1] != top:
-        sizes.append(top)
+    sizes = list(range(MIXED_GRAPH_STEP, max_tokens + 1, MIXED_GRAPH_STEP))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
     return sizes
 
 
