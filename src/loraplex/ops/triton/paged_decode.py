@@ -39,6 +39,12 @@ PARTITION_SIZE = 256
 # Llama-3.1-8B (32 x 8, 600 tokens) 27.1 unsplit, 27.0 in 4 splits. Each model's best
 # was within ~1 us of these (4 splits of ~400 keys for both MoE shapes).
 TARGET_PROGRAMS = 1056
+# ...unless the batch alone gives this many (sequence, KV head) programs: then one pass
+# over each context with 128-key tiles (paged_attention.attention_config) wins. Measured
+# (`benchmarks/attention_layout_probe.py`, 32 layers' caches in one graph, us per layer):
+# Llama-3.1-8B, 32 x 8 at 600 keys: 24.8 single pass against 27.4 in 3 splits (27.8
+# single pass with 64-key tiles). The MoE shapes above have 64 and 128 pairs.
+SINGLE_PASS_PAIRS = 256
 MAX_SPLITS = 64  # the merge holds one head's partials in one [MAX_SPLITS, BLOCK_D] tile
 # The split kernel's key tile and launch: 128-key tiles halve the loop trips of 64
 # (Qwen3 25.7 -> 20.1 us at 264 programs); more warps or stages gained nothing. Tiles
@@ -58,7 +64,10 @@ def num_splits(batch: AttentionBatch, page: int, num_kv_heads: int, sliding_wind
     span = batch.block_tables.shape[1] * page  # bounds every context of the batch
     if sliding_window is not None:  # visible keys start at most BLOCK_N - 1 before the window
         span = min(span, sliding_window + min(BLOCK_N, PARTITION_SIZE) - 1)
-    fill = TARGET_PROGRAMS // max(1, batch.num_seqs * num_kv_heads)
+    pairs = batch.num_seqs * num_kv_heads
+    if pairs >= SINGLE_PASS_PAIRS:
+        return 1
+    fill = TARGET_PROGRAMS // max(1, pairs)
     return max(1, min(triton.cdiv(span, PARTITION_SIZE), fill, MAX_SPLITS))
 
 
