@@ -60,11 +60,14 @@ def test_preemption_by_recompute_changes_no_token(model_dirs, adapter_dirs):
     assert tight.engine.scheduler.blocks.num_free_blocks == 16
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(model_dirs):
+@pytest.mark.parametrize("truncated", [True, False], ids=["top-k-top-p", "temperature-only"])
+def test_seeded_sampling_is_reproducible_and_batch_independent(model_dirs, truncated):
+    """Both sampling paths: top-k / top-p (torch, per-request generators) and
+    temperature only (the fused race, keyed by seed and token index)."""
     llm = make_llm(model_dirs["qwen2"])
     prompts = random_prompts(5, (5, 20), seed=6)
-    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
-                        ignore_eos=True)
+    sp = SamplingParams(temperature=1.0, top_p=0.9 if truncated else 1.0, top_k=50 if truncated else 0,
+                        seed=1234, max_tokens=12, ignore_eos=True)
     together = _tokens(llm.generate(prompts, sp))
     again = _tokens(llm.generate(prompts[::-1], sp))[::-1]
     alone = [_tokens(llm.generate([p], sp))[0] for p in prompts]

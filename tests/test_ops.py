@@ -376,3 +376,43 @@ def test_warm_up_lora_runs_the_small_batch_kernels_and_changes_nothing(monkeypat
         ops.warm_up_lora(lora_a, lora_b, (24, 16), max_tokens=3)  # nothing to compile
     assert torch.equal(lora_a, a) and torch.equal(lora_b, b)
     assert counts == [1, 2, 3]
+
+
+def test_race_sample_greedy_rows_and_seeds(backend):
+    """Greedy rows are the argmax (whatever their seed); a sampled row's token is a
+    function of its logits, temperature and seed alone, not of the rows beside it; the
+    logits are not modified. A vocabulary of several blocks and programs per row."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 20000
+    logits = (torch.randn(6, vocab, generator=gen) * 3).to(DEVICE)
+    before = logits.clone()
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1e-6, 2.0, 1.0], device=DEVICE)
+    seeds = torch.tensor([5, 11, 12, 13, 2**62 + 7, 11], dtype=torch.int64, device=DEVICE)
+    ids = ops.race_sample(logits, temperature, seeds)
+    assert torch.equal(logits, before)
+    assert ids.dtype == torch.int64 and ids.shape == (6,)
+    argmax = logits.argmax(-1)
+    assert ids[0] == argmax[0] and ids[3] == argmax[3]
+    again = ops.race_sample(logits[[4, 2, 1]], temperature[[4, 2, 1]], seeds[[4, 2, 1]])
+    assert again.tolist() == ids[[4, 2, 1]].tolist()
+    other = ops.race_sample(logits[1:2], temperature[1:2], seeds[1:2] + 1)
+    draws = [ops.race_sample(logits[1:2], temperature[1:2], seeds[1:2] + s).item() for s in range(8)]
+    assert len(set(draws)) > 1, "different seeds draw different tokens"
+    assert other.item() == draws[1]
+    bf16 = ops.race_sample(logits.to(torch.bfloat16), temperature, seeds)
+    assert bf16[0] == logits.to(torch.bfloat16).argmax(-1)[0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_race_sample_draws_softmax_frequencies(backend, temperature):
+    """Many rows of the same logits with distinct seeds: token frequencies follow
+    softmax(logits / T) (the exponential race is exact, not an approximation)."""
+    rows, vocab = 3000, 7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5])
+    ids = ops.race_sample(logits.expand(rows, vocab).contiguous().to(DEVICE),
+                          torch.full((rows,), temperature, device=DEVICE),
+                          torch.arange(rows, dtype=torch.int64, device=DEVICE) * 7919 + 1)
+    freq = torch.bincount(ids.cpu(), minlength=vocab).double() / rows
+    want = torch.softmax(logits.double() / temperature, -1)
+    # binomial standard error <= sqrt(0.25 / 3000) ~ 0.009: 4 sigma
+    assert (freq - want).abs().max() < 0.037, (freq, want)

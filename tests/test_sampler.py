@@ -418,3 +418,23 @@ def test_token_logprobs_num_top_zero_and_clamped():
     top = logits.log_softmax(-1).topk(vocab, dim=-1)
     assert torch.allclose(res.top_values, top.values)
     assert torch.equal(res.top_ids, top.indices)
+
+
+def test_rows_with_only_a_temperature_take_the_fused_race():
+    """Given per-row seeds, rows without top-k / top-p / banned tokens are drawn by
+    ops.race_sample (keyed by the seeds); any truncation sends the step down the torch
+    path, whose draws come from the generators."""
+    from loraplex import ops
+
+    logits = random_logits(4, 50, seed=9)
+    plain = rows(4, temperature=[1.0, 0.0, 0.5, 1.0])
+    plain.seeds = [3, 4, 5, 6]
+    want = ops.race_sample(logits, torch.tensor(plain.temperature), torch.tensor(plain.seeds))
+    assert torch.equal(sample(logits.clone(), plain, gen(0)), want)
+    assert sample(logits.clone(), plain, gen(1)).tolist() == want.tolist()  # the generator is unused
+
+    truncated = rows(4, temperature=1.0, top_k=[0, 5, 0, 0])
+    truncated.seeds = [3, 4, 5, 6]
+    first = sample(logits.clone(), truncated, gen(0))
+    assert torch.equal(first, sample(logits.clone(), truncated, gen(0)))
+    assert logits[1].topk(5).indices.tolist().count(first[1].item()) == 1

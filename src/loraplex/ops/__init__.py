@@ -105,6 +105,19 @@ def warm_up_moe(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, renor
              swiglu_limit, max_tokens)
 
 
+def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Semantics: out[r] = argmax(logits[r]) if temperature[r] < 1e-5, else
+    argmax(logits[r] / temperature[r] - log(E_r)) with E_r [vocab] i.i.d. Exp(1) (clamped
+    to >= 1e-20), so token i is drawn with probability softmax(logits[r] / T)_i.
+
+    logits [N, vocab] (any float dtype, not modified); temperature [N] float32; seeds [N]
+    int64: E_r is a function of seeds[r] alone, so equal seeds give equal draws in any
+    batch. Backends draw E differently (same distribution, not the same numbers).
+    Returns token ids [N] int64.
+    """
+    return _impl.race_sample(logits, temperature, seeds)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 
 import torch
@@ -71,6 +72,7 @@ class ModelRunner:
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self._seed_stream = random.Random(config.seed)  # draw keys of unseeded rows
         self.eos_token_ids = eos_token_ids  # min_tokens bans these
         self.graphs: StepGraphs | None = None  # captured after the KV cache exists
         # The last step's sampled ids on the device, and each request's row in them.
@@ -366,6 +368,7 @@ class ModelRunner:
             top_p=[c.sampling.top_p for c in chunks],
             generators=[self._generator_for(c) for c in chunks],
             banned=[self._banned_tokens(c) for c in chunks],
+            seeds=[self._draw_seed(c) for c in chunks],
         )
         want = [c.sampling.logprobs for c in chunks]
         raw = logits.clone() if any(w is not None for w in want) else logits
@@ -397,6 +400,15 @@ class ModelRunner:
             parts.append(token_logprobs(self.model.compute_logits(hidden[idx]), tgt, max_top))
         out.prompt_lps = concat_logprobs(parts)
 
+    def _draw_seed(self, chunk: ScheduledChunk) -> int:
+        """The key of this row's draws in the fused sampler: a seeded request's seed mixed
+        with the index of the token being sampled (the same token whatever the batch),
+        else the next number of the engine's own seeded stream."""
+        seed = chunk.sampling.seed
+        if seed is None:
+            return self._seed_stream.getrandbits(63)
+        return _mix64(seed, chunk.num_output_tokens)
+
     def _generator_for(self, chunk: ScheduledChunk) -> torch.Generator | None:
         seed = chunk.sampling.seed
         if seed is None or chunk.sampling.greedy:
@@ -413,6 +425,14 @@ class ModelRunner:
             return []
         eos = [] if sp.ignore_eos else list(self.eos_token_ids)
         return eos + sp.stop_token_ids
+
+
+def _mix64(seed: int, index: int) -> int:
+    """A 63-bit key from (seed, index), well spread for nearby inputs (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
 
 
 def largest_step(config: EngineConfig) -> tuple[StepPlan, int]:

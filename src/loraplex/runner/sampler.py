@@ -3,8 +3,13 @@
 Semantics are vLLM's: temperature < 1e-5 is greedy; top-k then top-p (keep the smallest
 set of most likely tokens whose probability reaches top_p); logprobs are the model's raw
 log-softmax, before temperature and truncation. Random rows draw by the exponential race
-(argmax p / E, E ~ Exp(1), which picks token i with probability p_i); a request with a
-seed draws its E from its own generator, so its tokens do not depend on its batch.
+(argmax p / E, E ~ Exp(1), which picks token i with probability p_i). Two paths:
+- rows with only a temperature (the common case) go through `ops.race_sample`, one
+  fused pass over the logits whose draws are keyed by a per-row seed the runner gives
+  (a seeded request's seed and its token index, so its tokens do not depend on its
+  batch);
+- a step with top-k / top-p or banned tokens takes the torch path below, whose draws
+  come from the shared generator, or from a seeded request's own generator.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex import ops
 from loraplex.device import to_device
 
 
@@ -25,16 +31,25 @@ class SamplingRows:
     top_p: list[float]  # 1.0: off
     generators: list[torch.Generator | None]  # per-request generator, or None: the shared one
     banned: list[list[int]]  # tokens that may not be sampled (min_tokens)
+    seeds: list[int] | None = None  # per-row draw keys of the fused path (None: torch path only)
 
     @property
     def all_greedy(self) -> bool:
         return all(t < 1e-5 for t in self.temperature)
 
+    def only_temperature(self, vocab: int) -> bool:
+        """No row truncates (top-k / top-p) or bans tokens."""
+        return (not any(self.banned) and all(not 0 < k < vocab for k in self.top_k)
+                and all(p >= 1.0 for p in self.top_p))
+
 
 def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator) -> torch.Tensor:
-    """logits [N, V] float32 -> sampled token ids [N] (int64). Modifies logits."""
+    """logits [N, V] float32 -> sampled token ids [N] (int64). May modify logits."""
     n, vocab = logits.shape
     device = logits.device
+    if rows.seeds is not None and not rows.all_greedy and rows.only_temperature(vocab):
+        return ops.race_sample(logits, to_device(rows.temperature, torch.float32, device),
+                               to_device(rows.seeds, torch.int64, device))
     ban_rows = [i for i, banned in enumerate(rows.banned) for _ in banned]
     if ban_rows:
         ban_cols = [t for banned in rows.banned for t in banned]

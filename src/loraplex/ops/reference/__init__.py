@@ -10,6 +10,7 @@ from loraplex.ops.reference.elementwise import (
 )
 from loraplex.ops.reference.lora import lora_expand, lora_shrink
 from loraplex.ops.reference.moe import fused_experts, route_experts
+from loraplex.ops.reference.sampling import race_sample
 from loraplex.ops.reference.train_moe import (
     grouped_lora_add,
     silu_mul_weighted,
@@ -26,6 +27,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "race_sample",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

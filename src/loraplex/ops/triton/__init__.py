@@ -20,6 +20,7 @@ from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
 from loraplex.ops.triton.rotary import rotary_embedding
+from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
@@ -58,6 +59,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention",
+    "race_sample",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
