@@ -64,3 +64,10 @@ def test_output_tiles_are_stored_in_16_byte_vectors(counts, kernel):
 def test_expert_gemm_reads_adapter_deltas_in_vectors(counts, kernel):
     # The float32 delta tile (and its up half, N columns on) is the epilogue's only load.
     assert counts[kernel].get("ld.v4.b32", 0) > 0, counts[kernel]
+
+
+def test_sampler_reads_the_logits_in_16_byte_vectors(counts):
+    """The fused sampler is one pass over [rows, vocab] float32: the logits must come in
+    whole vectors (the two scalar loads are the row's temperature and seed)."""
+    c = counts["race_sample"]
+    assert c.get("ld.v4.b32", 0) > 0 and c.get("ld.b32", 0) <= 1, c
