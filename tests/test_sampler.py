@@ -438,3 +438,19 @@ def test_rows_with_only_a_temperature_take_the_fused_race():
     first = sample(logits.clone(), truncated, gen(0))
     assert torch.equal(first, sample(logits.clone(), truncated, gen(0)))
     assert logits[1].topk(5).indices.tolist().count(first[1].item()) == 1
+
+
+def test_modifies_logits_tells_when_the_logits_survive():
+    """The runner scores logprobs on the logits it sampled from unless sample() says it
+    writes into them: whenever modifies_logits() is False they must come back unchanged."""
+    logits = random_logits(3, 40, seed=2)
+    cases = [rows(3, temperature=[1.0, 0.3, 0.0]), rows(3, temperature=0.0),
+             rows(3, temperature=0.0, banned=[[1], [], []]), rows(3, top_k=[0, 4, 0]),
+             rows(3, temperature=0.9)]
+    cases[0].seeds = [1, 2, 3]
+    for case in cases:
+        got = logits.clone()
+        sample(got, case, gen(0))
+        if not case.modifies_logits(40):
+            assert torch.equal(got, logits), case
+    assert [c.modifies_logits(40) for c in cases] == [False, False, True, True, True]

@@ -371,9 +371,10 @@ class ModelRunner:
             seeds=[self._draw_seed(c) for c in chunks],
         )
         want = [c.sampling.logprobs for c in chunks]
-        raw = logits.clone() if any(w is not None for w in want) else logits
+        scored = any(w is not None for w in want)
+        raw = logits.clone() if scored and sampling_rows.modifies_logits(logits.shape[-1]) else logits
         token_ids = sample(logits, sampling_rows, self.generator)
-        if any(w is not None for w in want):
+        if scored:
             out.sample_lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
         out.sample_chunks, out.sample_logprobs, out.token_ids = rows, want, token_ids
         self._last_token_ids = token_ids

@@ -42,12 +42,20 @@ class SamplingRows:
         return (not any(self.banned) and all(not 0 < k < vocab for k in self.top_k)
                 and all(p >= 1.0 for p in self.top_p))
 
+    def fused(self, vocab: int) -> bool:
+        """sample() draws these rows with ops.race_sample."""
+        return self.seeds is not None and not self.all_greedy and self.only_temperature(vocab)
+
+    def modifies_logits(self, vocab: int) -> bool:
+        """Whether sample() writes into the logits it is given."""
+        return any(self.banned) or not (self.all_greedy or self.fused(vocab))
+
 
 def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator) -> torch.Tensor:
     """logits [N, V] float32 -> sampled token ids [N] (int64). May modify logits."""
     n, vocab = logits.shape
     device = logits.device
-    if rows.seeds is not None and not rows.all_greedy and rows.only_temperature(vocab):
+    if rows.fused(vocab):
         return ops.race_sample(logits, to_device(rows.temperature, torch.float32, device),
                                to_device(rows.seeds, torch.int64, device))
     ban_rows = [i for i, banned in enumerate(rows.banned) for _ in banned]
