@@ -112,6 +112,17 @@ def caches(head_major: bool):
     return out
 
 
+def check_and_time(q, layers, batch, ref) -> tuple[float, float]:
+    """ops.paged_attention with the current configs: relative error against ref on the
+    first layer's cache, and us per layer over all layers in one CUDA graph."""
+    out = ops.paged_attention(q, *layers[0], batch, D**-0.5, None)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    us = 1e3 / LAYERS * triton.testing.do_bench_cudagraph(
+        lambda: [ops.paged_attention(q, k, v, batch, D**-0.5, None) for k, v in layers],
+        rep=50, return_mode="median")
+    return err, us
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out")
@@ -146,11 +157,7 @@ def main():
                 for k, v in dict(BLOCK_N=bn, NUM_STAGES=st, TARGET_PROGRAMS=tp, PARTITION_SIZE=part).items():
                     setattr(paged_decode, k, v)
                 try:
-                    out = ops.paged_attention(q, *layers[0], batch, D**-0.5, None)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    us = 1e3 / LAYERS * triton.testing.do_bench_cudagraph(
-                        lambda: [ops.paged_attention(q, k, v, batch, D**-0.5, None) for k, v in layers],
-                        rep=50, return_mode="median")
+                    err, us = check_and_time(q, layers, batch, ref)
                 except Exception as exc:
                     print(f"  head_major={head_major} BN {bn} st {st} tp {tp}: {type(exc).__name__}")
                     continue
@@ -169,11 +176,7 @@ def main():
                                                                  num_stages=st): c
             try:
                 with ops.using_backend("triton"):
-                    out = ops.paged_attention(q, *layers[0], batch, D**-0.5, None)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    us = 1e3 / LAYERS * triton.testing.do_bench_cudagraph(
-                        lambda: [ops.paged_attention(q, k, v, batch, D**-0.5, None) for k, v in layers],
-                        rep=50, return_mode="median")
+                    err, us = check_and_time(q, layers, batch, ref)
             except Exception as exc:
                 print(f"single pass BN {bn} warps {warps} st {st}: {type(exc).__name__}")
                 continue

@@ -64,10 +64,11 @@ def skinny(x, w, y32, y, cfg):
         y.copy_(y32)
 
 
-def timed(fn):
+def timed(fn, rep: int = 100):
+    """Median ms of CUDA-graph replays of fn, after one eager call (compiles, warms up)."""
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def main():

@@ -18,6 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from gemm_probe import timed
 from pdl_probe import _prefetch_l2
 
 from loraplex import ops
@@ -76,19 +77,17 @@ def main():
             if gemm:
                 torch.mm(out.view(SEQS, -1), w.T, out=y)
 
-    def timed(fn):
-        fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3 / LAYERS
+    def per_layer(fn):
+        return timed(fn, rep=200) * 1e3 / LAYERS
 
     with ops.using_backend("triton"):
-        print(f"attention alone      {timed(lambda: step(None, gemm=False)):6.1f} us per layer")
-        print(f"o_proj alone         {timed(lambda: step(None, attn=False)):6.1f} us per layer")
-        print(f"prefetch + o_proj    {timed(lambda: step(8, attn=False)):6.1f} us per layer")
+        print(f"attention alone      {per_layer(lambda: step(None, gemm=False)):6.1f} us per layer")
+        print(f"o_proj alone         {per_layer(lambda: step(None, attn=False)):6.1f} us per layer")
+        print(f"prefetch + o_proj    {per_layer(lambda: step(8, attn=False)):6.1f} us per layer")
         for _ in range(2):
-            print(f"attention + o_proj   {timed(lambda: step(None)):6.1f} us per layer")
+            print(f"attention + o_proj   {per_layer(lambda: step(None)):6.1f} us per layer")
             for programs in (1, 4, 16, 64):
-                us = timed(lambda: step(programs))
+                us = per_layer(lambda: step(programs))
                 print(f"  + prefetch, {programs:2d} programs {us:6.1f} us per layer")
 
 

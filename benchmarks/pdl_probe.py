@@ -24,11 +24,11 @@ import json
 import torch
 import triton
 import triton.language as tl
+from gemm_probe import LAYERS, SHAPES, timed
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-LAYERS = 32
 CHUNK = 4096  # bytes per bulk L2 prefetch instruction
+REP = 200  # ms of replays per timing
 
 
 @triton.jit
@@ -83,12 +83,6 @@ def skinny(x, w, y, cfg, pdl=False, prefetch_bytes=0):
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **kw)
 
 
-def timed(fn):
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-
-
 VARIANTS = [("plain", False, 0), ("pdl", True, 0), ("pdl+pf32K", True, 32768),
             ("pdl+pf128K", True, 131072), ("pf32K", False, 32768)]
 
@@ -115,7 +109,8 @@ def main():
         y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         nbytes = n * k * 2
         ref = x.float() @ ws[0].float().T
-        record(name, "cublaslt", timed(lambda: [torch.mm(x, w.T, out=y) for w in ws]) * 1e3 / LAYERS, nbytes)
+        us = timed(lambda: [torch.mm(x, w.T, out=y) for w in ws], REP) * 1e3 / LAYERS
+        record(name, "cublaslt", us, nbytes)
         for label, pdl, pf in VARIANTS:
             top = None
             for bn, bk, stages in itertools.product([16, 32, 64], [128, 256], [4]):
@@ -127,7 +122,7 @@ def main():
                     if not err < 1e-2:
                         print(name, label, cfg, "WRONG", err)
                         continue
-                    us = timed(lambda: [skinny(x, w, y, cfg, pdl, pf) for w in ws]) * 1e3 / LAYERS
+                    us = timed(lambda: [skinny(x, w, y, cfg, pdl, pf) for w in ws], REP) * 1e3 / LAYERS
                 except Exception as e:  # out of shared memory for some configs
                     print(name, label, cfg, type(e).__name__, str(e)[:200])
                     continue
@@ -156,7 +151,7 @@ def main():
 
     layer_bytes = sum(n * k * 2 for n, k in SHAPES.values())
     ref = chain(lt).float().clone()
-    record("chain", "cublaslt", timed(lambda: chain(lt)) * 1e3 / LAYERS, layer_bytes)
+    record("chain", "cublaslt", timed(lambda: chain(lt), REP) * 1e3 / LAYERS, layer_bytes)
     for label, pdl, pf in VARIANTS:
         if not all((s, label) in best for s in SHAPES):
             continue
@@ -167,7 +162,7 @@ def main():
 
         got = chain(tr).float()
         err = ((got - ref).norm() / ref.norm()).item()
-        record("chain", label, timed(lambda: chain(tr)) * 1e3 / LAYERS, layer_bytes, f"err {err:.1e}")
+        record("chain", label, timed(lambda: chain(tr), REP) * 1e3 / LAYERS, layer_bytes, f"err {err:.1e}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-LAYERS = 32
+from gemm_probe import LAYERS, SHAPES, timed
 
 
 def main():
@@ -34,8 +31,7 @@ def main():
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                 ws = weights[name]
-                us = triton.testing.do_bench_cudagraph(lambda: [torch.mm(x, w.T, out=y) for w in ws], rep=100,
-                                                       return_mode="median") * 1e3 / LAYERS
+                us = timed(lambda: [torch.mm(x, w.T, out=y) for w in ws]) * 1e3 / LAYERS
                 flop = 2 * m * n * k
                 cells.append(f"{name} {us:6.1f} us {flop / us / 1e6:4.0f} TF")
                 total_us += us

@@ -15,9 +15,9 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from gemm_probe import SHAPES, timed
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 8
 
 
@@ -84,7 +84,7 @@ def main():
             flop = 2 * m * n * k
 
             def tf(fn):
-                us = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3 / LAYERS
+                us = timed(fn) * 1e3 / LAYERS
                 return flop / us / 1e6
 
             line = [f"M={m} {name:8s} cublasLt {tf(lambda: [torch.mm(x, w.T, out=y) for w in ws]):4.0f}"]
