@@ -37,10 +37,13 @@ class SamplingRows:
     def all_greedy(self) -> bool:
         return all(t < 1e-5 for t in self.temperature)
 
+    def truncates(self, vocab: int) -> bool:
+        """Some row keeps only its top-k / top-p tokens."""
+        return any(0 < k < vocab for k in self.top_k) or any(p < 1.0 for p in self.top_p)
+
     def only_temperature(self, vocab: int) -> bool:
         """No row truncates (top-k / top-p) or bans tokens."""
-        return (not any(self.banned) and all(not 0 < k < vocab for k in self.top_k)
-                and all(p >= 1.0 for p in self.top_p))
+        return not any(self.banned) and not self.truncates(vocab)
 
     def fused(self, vocab: int) -> bool:
         """sample() draws these rows with ops.race_sample."""
@@ -70,7 +73,7 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     temperature = to_device(rows.temperature, torch.float32, device)
     greedy = temperature < 1e-5
     logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
-    if any(0 < k < vocab for k in rows.top_k) or any(p < 1.0 for p in rows.top_p):
+    if rows.truncates(vocab):
         logits = _top_k_top_p(logits, rows.top_k, rows.top_p)
     probs = logits.softmax(dim=-1)
 
