@@ -9,6 +9,15 @@ import triton.language as tl
 
 
 @triton.jit
+def gated_act(gate, GELU: tl.constexpr):
+    """act(gate) in float32: SiLU, or tanh GELU when GELU."""
+    if GELU:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(u) = 2 sigmoid(2u) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return gate / (1.0 + tl.exp(-2.0 * inner))
+    return gate / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o,
                        GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -16,11 +25,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o,
     mask = cols < width
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU:  # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(u) = 2 sigmoid(2u) - 1
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = gate / (1.0 + tl.exp(-2.0 * inner))
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
+    act = gated_act(gate, GELU)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -24,9 +24,10 @@ def max_tiles(num_rows: int, num_segments: int, block: int) -> int:
 
 
 @triton.jit
-def find_tile(tile, starts_ptr, num_segments, BLOCK: tl.constexpr):
-    """(segment, first row) of tile number `tile`; segment == num_segments past the last
-    tile. A prefix sum over the segments' tile counts, CHUNK segments per trip."""
+def _segment_of_tile(tile, starts_ptr, num_segments, BLOCK: tl.constexpr):
+    """(segment of tile number `tile`, tiles in the segments before it): a prefix sum over
+    the segments' tile counts, CHUNK segments per trip. Past the last tile: (num_segments,
+    every segment's tiles)."""
     seg = 0
     tiles_before = 0
     total = 0
@@ -41,7 +42,28 @@ def find_tile(tile, starts_ptr, num_segments, BLOCK: tl.constexpr):
         seg += tl.sum(before.to(tl.int32), 0)
         tiles_before += tl.sum(tl.where(before, n, 0), 0)
         total += tl.sum(n, 0)
+    return seg, tiles_before
+
+
+@triton.jit
+def find_tile(tile, starts_ptr, num_segments, BLOCK: tl.constexpr):
+    """(segment, first row) of tile number `tile`; segment == num_segments past the last
+    tile."""
+    seg, tiles_before = _segment_of_tile(tile, starts_ptr, num_segments, BLOCK)
     first_row = 0
     if seg < num_segments:
         first_row = tl.load(starts_ptr + seg) + (tile - tiles_before) * BLOCK
+    return seg, first_row
+
+
+@triton.jit
+def find_tile_or_tail(tile, starts_ptr, num_segments, num_rows, BLOCK: tl.constexpr):
+    """find_tile over the segments and then one more, the tail: rows [starts[num_segments],
+    num_rows) (LoRA groups, then the tokens without an adapter). (segment, first row);
+    segment == num_segments for the tail's tiles, num_segments + 1 past the last tile.
+    Launch max_tiles(num_rows, num_segments + 1, BLOCK) programs."""
+    seg, tiles_before = _segment_of_tile(tile, starts_ptr, num_segments, BLOCK)
+    first_row = tl.load(starts_ptr + seg) + (tile - tiles_before) * BLOCK
+    if seg == num_segments and first_row >= num_rows:
+        seg = num_segments + 1
     return seg, first_row
