@@ -83,6 +83,18 @@ def kernels() -> dict:
         stride_wl=qkv * 16, stride_wn=16, stride_wr=1, stride_ym=qkv, stride_yn=1,
         N_BLOCKS_PER_SLICE=const(16), BLOCK_M=const(16), BLOCK_N=const(256), BLOCK_R=const(16),
         TILE_BLOCKS=const(4), ALIGN=const(16), **tf32))
+    width = 14336  # Llama-3.1-8B intermediate size: gate_up [T, 2 x width]
+    out["lora_act_gemv"] = compile_ptx(mod("lora_act_gemv")._lora_act_gemv_kernel, dict(
+        gu_ptr=bf, buf_ptr=f32, b_ptr=bf, out_ptr=bf, token_slot_ptr=i32, slot_ranks_ptr=i32, width=width,
+        stride_gm=2 * width, stride_bs=32 * 16, stride_bm=16, stride_wl=2 * width * 16, stride_wn=16,
+        stride_om=width, BLOCK_N=const(256), BLOCK_R=const(16), GELU=const(False)))
+    out["lora_act_sgmv"] = compile_ptx(mod("lora_act_sgmv")._lora_act_sgmv_kernel, dict(
+        gu_ptr=bf, buf_ptr=f32, b_ptr=bf, out_ptr=bf, sorted_ids_ptr="*i64", group_slots_ptr=i32,
+        group_starts_ptr=i32, group_ranks_ptr=i32, num_groups=32, num_tokens=2048, width=width,
+        stride_gm=2 * width, stride_bs=2048 * 16, stride_bm=16, stride_wl=2 * width * 16, stride_wn=16,
+        stride_om=width, BLOCK_M=const(16), BLOCK_N=const(256), BLOCK_R=const(16), TILE_BLOCKS=const(4),
+        GELU=const(False),
+        **tf32))
     h, inter, experts, r = 2048, 768, 128, 32  # Qwen3-30B-A3B experts; gate_up rank 2 x 16
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
         out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(

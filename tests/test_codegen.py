@@ -40,8 +40,8 @@ def test_attention_tiles_fit_in_shared_memory():
     assert all(0 < b <= H100_SHARED_BYTES for b in shared.values()), shared
 
 
-@pytest.mark.parametrize("kernel", ["lora_expand_gemv", "lora_expand_sgmv", "moe_gemm_gate_up",
-                                    "moe_gemm_down"])
+@pytest.mark.parametrize("kernel", ["lora_expand_gemv", "lora_expand_sgmv", "lora_act_gemv", "lora_act_sgmv",
+                                    "moe_gemm_gate_up", "moe_gemm_down"])
 def test_bf16_outputs_are_not_read_or_written_one_element_at_a_time(counts, kernel):
     c = counts[kernel]
     assert c.get("ld.b16", 0) == 0 and c.get("st.b16", 0) == 0, c

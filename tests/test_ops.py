@@ -12,6 +12,7 @@ from conftest import DEVICE
 from loraplex import ops
 from loraplex.ops import reference
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, QKNorm, make_lora_batch
+from loraplex.ops.triton.precision import INTERPRETED
 
 BACKENDS = ["torch", "triton"]
 POPULARITY = ["distinct", "uniform", "zipf", "identical", "none", "mixed-with-base"]
@@ -104,6 +105,90 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, shrink=None, e
     assert err <= REL_TOL[dtype], err
     base = torch.tensor([s < 0 for s in slots])
     assert torch.equal(y.cpu()[base], y0[base]), "tokens without an adapter must not change"
+
+
+ACT_SHAPES = [(1, 48, "silu"), (37, 40, "gelu_tanh"), (130, 24, "silu"), (300, 16, "gelu_tanh")]
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("num_tokens,width,activation", ACT_SHAPES)
+def test_lora_act_and_mul(backend, popularity, num_tokens, width, activation):
+    check_lora_act_and_mul(popularity, num_tokens, width, activation)
+
+
+@pytest.mark.parametrize("popularity", ["distinct", "zipf", "mixed-with-base", "none"])
+@pytest.mark.parametrize("num_tokens,width,activation", ACT_SHAPES)
+@pytest.mark.parametrize("form", ["gemv", "sgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lora_act_kernel_forms(popularity, num_tokens, width, activation, form, dtype):
+    """Both Triton forms of the expand fused into the gated activation, on every shape:
+    per-token GEMV, and tiles of adapter groups followed by the base tokens' tiles."""
+    from loraplex.ops import triton as kernels
+
+    fused = kernels.lora_act_gemv if form == "gemv" else kernels.lora_act_sgmv
+    check_lora_act_and_mul(popularity, num_tokens, width, activation, fused, dtype)
+
+
+@pytest.mark.parametrize("num_tokens", [7, 130])
+def test_lora_act_and_mul_rounds_as_the_unfused_kernels(num_tokens):
+    """In bf16 the fused op returns exactly what expand-into-y then the activation kernel
+    return (each form against its own expand): switching to it changes no token."""
+    from loraplex.ops import triton as kernels
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    width, ranks = 40, [16, 8, 3]
+    slots = token_slots("mixed-with-base", num_tokens, len(ranks), gen)
+    b = torch.zeros(len(ranks), 2 * width, 16)
+    for s, r in enumerate(ranks):
+        b[s, :, :r] = torch.randn(2 * width, r, generator=gen)
+    buf = torch.randn(2, num_tokens, 16, generator=gen).to(DEVICE)
+    gate_up = torch.randn(num_tokens, 2 * width, generator=gen).to(DEVICE, torch.bfloat16)
+    b = b.to(DEVICE, torch.bfloat16)
+    batch = lora_batch(slots, ranks, len(ranks))
+    y = gate_up.clone()
+    kernels.lora_expand(buf, b, y, (width, width), batch)
+    assert torch.equal(kernels.lora_act_and_mul(gate_up, buf, b, batch, "silu"), kernels.silu_and_mul(y))
+
+
+def check_lora_act_and_mul(popularity, num_tokens, width, activation, fused=None, dtype=torch.float32):
+    fused = fused or ops.lora_act_and_mul
+    gen = torch.Generator().manual_seed(num_tokens * 5 + width)
+    max_loras, max_rank = 5, 16
+    ranks = [16, 8, 3, 1, 12]
+    slots = token_slots(popularity, num_tokens, max_loras, gen)
+    b = torch.zeros(max_loras, 2 * width, max_rank)
+    for s, r in enumerate(ranks):  # columns past an adapter's rank stay zero, as in slots
+        b[s, :, :r] = torch.randn(2 * width, r, generator=gen)
+    # The shrink's rows past a token's rank, and of tokens without an adapter, are
+    # unspecified: random here, and they must not count.
+    buf = torch.randn(2, num_tokens, max_rank, generator=gen)
+    gate_up = torch.randn(num_tokens, 2 * width, generator=gen) * 2
+    b, gate_up = b.to(dtype), gate_up.to(dtype)
+
+    y = gate_up.double()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            r = ranks[slot]
+            for s in range(2):
+                cols = slice(s * width, (s + 1) * width)
+                y[t, cols] += buf[s, t, :r].double() @ b[slot, cols, :r].double().T
+    y = y.to(dtype).double()  # the sum is rounded to the projection's dtype, as lora_expand stores it
+    g, u = y[:, :width], y[:, width:]
+    if activation == "silu":
+        expected = g * torch.sigmoid(g) * u
+    else:
+        expected = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+
+    dev = dict(device=DEVICE)
+    gate_up_dev = gate_up.to(**dev)
+    out = fused(gate_up_dev, buf.to(**dev), b.to(**dev), lora_batch(slots, ranks, max_loras), activation)
+    assert out.shape == (num_tokens, width) and out.dtype == dtype
+    err = (out.double().cpu() - expected).norm() / expected.norm()
+    # The Triton interpreter converts to bf16 by truncation, not rounding: the kernels'
+    # two conversions (the rounded sum, the output) then err up to twice as much as on a GPU.
+    tol = 2e-2 if dtype == torch.bfloat16 and INTERPRETED else REL_TOL[dtype]
+    assert err <= tol, err
+    assert torch.equal(gate_up_dev.cpu(), gate_up), "the projection's output is an input only"
 
 
 def naive_attention(q, k, v, scale, window, sinks=None):

@@ -82,6 +82,25 @@ def lora_expand(
     _impl.lora_expand(buf, lora_b, y, slice_sizes, batch)
 
 
+def lora_act_and_mul(
+    gate_up: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    activation: str,
+) -> torch.Tensor:
+    """Semantics: act(g) * u, where [g | u] = gate_up + the LoRA delta, rounded to gate_up's
+    dtype as lora_expand would store it (slices gate and up, I columns each), and act =
+    SiLU ("silu") or tanh GELU ("gelu_tanh"): silu_and_mul after lora_expand, bit for bit.
+
+    gate_up [T, 2I], the base gate/up projection's output, is not modified; buf [2, T, R]
+    from lora_shrink; lora_b [max_loras, 2I, R]. Returns [T, I]. A gated MLP calls this
+    instead of lora_expand + silu_and_mul: the delta goes into the activation's registers,
+    so the projection's output is not read and written once more just to add it.
+    """
+    return _impl.lora_act_and_mul(gate_up, buf, lora_b, batch, activation)
+
+
 def warm_up_lora(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_sizes: tuple[int, ...],
                  max_tokens: int) -> None:
     """Compile now whatever lora_shrink / lora_expand will run for steps of up to
@@ -252,6 +271,7 @@ __all__ = [
     "LoRABatch",
     "backend_name",
     "gelu_tanh_and_mul",
+    "lora_act_and_mul",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

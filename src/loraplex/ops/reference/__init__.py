@@ -8,7 +8,7 @@ from loraplex.ops.reference.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from loraplex.ops.reference.lora import lora_expand, lora_shrink
+from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_shrink
 from loraplex.ops.reference.moe import fused_experts, route_experts
 from loraplex.ops.reference.sampling import race_sample
 from loraplex.ops.reference.train_moe import (
@@ -24,6 +24,7 @@ __all__ = [
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "grouped_lora_add",
+    "lora_act_and_mul",
     "lora_expand",
     "lora_shrink",
     "paged_attention",

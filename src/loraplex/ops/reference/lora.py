@@ -1,10 +1,12 @@
-"""Plain-torch LoRA shrink and expand: the CPU path and the oracle of the kernels."""
+"""Plain-torch LoRA shrink and expand (and the expand fused with the gated activation):
+the CPU path and the oracle of the kernels."""
 
 from __future__ import annotations
 
 import torch
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.reference.elementwise import gelu_tanh_and_mul, silu_and_mul
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -33,3 +35,17 @@ def lora_expand(
             delta = buf[s, idx, : g.rank] @ b.T
             y[:, offset : offset + size].index_add_(0, idx, delta.to(y.dtype))
             offset += size
+
+
+def lora_act_and_mul(
+    gate_up: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    batch: LoRABatch,
+    activation: str,
+) -> torch.Tensor:
+    # Exactly the unfused path: expand into (a copy of) the projection, then activate.
+    y = gate_up.clone()
+    width = y.shape[1] // 2
+    lora_expand(buf, lora_b, y, (width, width), batch)
+    return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)

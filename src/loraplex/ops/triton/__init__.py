@@ -11,6 +11,8 @@ from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.kv_cache import write_kv_cache
+from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
+from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
@@ -37,6 +39,12 @@ def lora_expand(buf, lora_b, y, slice_sizes, batch):
     return lora_expand_sgmv(buf, lora_b, y, slice_sizes, batch)
 
 
+def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
+    if gate_up.shape[0] <= GEMV_MAX_TOKENS:
+        return lora_act_gemv(gate_up, buf, lora_b, batch, activation)
+    return lora_act_sgmv(gate_up, buf, lora_b, batch, activation)
+
+
 def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
     """The GEMV kernels' split-K (and a stride or two) follow the token count, so each
     count up to GEMV_MAX_TOKENS may be its own compiled variant: run them all once, with
@@ -56,6 +64,7 @@ __all__ = [
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "grouped_lora_add",
+    "lora_act_and_mul",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
