@@ -14,6 +14,7 @@ from torch import nn
 
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
+from loraplex.ops.metadata import LoRABatch
 
 
 class LoRALinear(nn.Module):
@@ -43,26 +44,39 @@ class LoRALinear(nn.Module):
         start = sum(self.output_sizes[:index])
         return slice(start, start + self.output_sizes[index])
 
+    def lora_batch(self) -> LoRABatch | None:
+        """This step's adapter batch, or None when no adapter applies to this layer now."""
+        if self.lora_a is None:
+            return None
+        lora = get_forward_context().lora
+        return lora if lora is not None and lora.active else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = get_forward_context() if self.lora_a is not None else None
-        if ctx is None or ctx.lora is None or not ctx.lora.active:
+        batch = self.lora_batch()
+        if batch is None:
             return F.linear(x, self.weight, self.bias)
+        y, buf = self.base_and_shrink(x)
+        ops.lora_expand(buf, self.lora_b, y, self.output_sizes, batch)
+        if batch.dora and self.lora_scale is not None:
+            y = self._dora_rescale(y, batch.token_slot)
+        return y
+
+    def base_and_shrink(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x W^T + bias, lora_shrink's buf of x) for a step with adapters; the caller adds
+        the delta (lora_expand, or a consumer op that takes buf)."""
+        ctx = get_forward_context()
         if ctx.aux_stream is None:
             buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
-            y = F.linear(x, self.weight, self.bias)
-        else:
-            # Shrink reads only x: run it beside the base matmul. The aux stream always
-            # starts by waiting on the main one, so memory it frees is never reused early.
-            main = torch.cuda.current_stream()
-            ctx.aux_stream.wait_stream(main)
-            with torch.cuda.stream(ctx.aux_stream):
-                buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
-            y = F.linear(x, self.weight, self.bias)
-            main.wait_stream(ctx.aux_stream)
-        ops.lora_expand(buf, self.lora_b, y, self.output_sizes, ctx.lora)
-        if ctx.lora.dora and self.lora_scale is not None:
-            y = self._dora_rescale(y, ctx.lora.token_slot)
-        return y
+            return F.linear(x, self.weight, self.bias), buf
+        # Shrink reads only x: run it beside the base matmul. The aux stream always starts
+        # by waiting on the main one, so memory it frees is never reused early.
+        main = torch.cuda.current_stream()
+        ctx.aux_stream.wait_stream(main)
+        with torch.cuda.stream(ctx.aux_stream):
+            buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
+        y = F.linear(x, self.weight, self.bias)
+        main.wait_stream(ctx.aux_stream)
+        return y, buf
 
     def _dora_rescale(self, y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
         # DoRA: y = scale * (x W^T + s x A^T B^T) + bias, per token with its slot's scale.

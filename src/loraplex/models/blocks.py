@@ -62,6 +62,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.act_and_mul = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[
             cfg.activation
         ]
@@ -72,7 +73,13 @@ class GatedMLP(nn.Module):
         self.down_proj = LoRALinear(size, [cfg.hidden_size], ["down_proj"], bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        batch = gate_up.lora_batch()
+        if batch is None or (batch.dora and gate_up.lora_scale is not None):
+            return self.down_proj(self.act_and_mul(gate_up(x)))
+        # The gate/up delta is added inside the activation, not into gate_up's output.
+        y, buf = gate_up.base_and_shrink(x)
+        return self.down_proj(ops.lora_act_and_mul(y, buf, gate_up.lora_b, batch, self.activation))
 
 
 class DecoderLayer(nn.Module):
