@@ -3,7 +3,9 @@ tokens = a few prompt chunks (one adapter each) plus one decode token for each o
 running request (an adapter each), on Llama-3.1-8B's projections. Sweeps the shrink's
 split-K and block sizes against the base GEMM of the same projection.
 
-    python benchmarks/prefill_lora.py [--chunks 4] [--decodes 28]
+    python benchmarks/prefill_lora.py [--chunks 4] [--decodes 28] [--act-only]
+
+Then gate/up's expand + SiLU-and-multiply against the two fused (`ops.lora_act_and_mul`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main():
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--interleaved", action="store_true",
                    help="token i uses adapter i %% 32 instead (every group spread over the step)")
+    p.add_argument("--act-only", action="store_true", help="only gate/up's expand + activation")
     args = p.parse_args()
     ops.use_backend("triton")
     dev, rank, max_loras = "cuda", args.rank, 32
@@ -44,7 +47,7 @@ def main():
     print(f"{tokens} tokens: {shape}, {len(batch.groups)} adapters; microseconds, CUDA-graph replays")
     base_shrink, base_expand = sgmv.shrink_config, expand.expand_config
     total = {}
-    for name, (k, outs) in PROJECTIONS.items():
+    for name, (k, outs) in {} if args.act_only else PROJECTIONS.items():
         n = sum(outs)
         x, w, a, b = projection_tensors(tokens, k, outs, max_loras, rank, dev)
         y = x @ w.T
@@ -68,6 +71,28 @@ def main():
             total[key] = total.get(key, 0.0) + v
         print(name, {key: round(v, 1) for key, v in row.items()}, flush=True)
     print("sum over q/k/v, o, gate/up, down:", {key: round(v, 1) for key, v in total.items()})
+    gate_up_activation(tokens, batch, max_loras, rank, dev)
+
+
+def gate_up_activation(tokens, batch, max_loras, rank, dev):
+    """gate/up's expand + the SiLU-and-multiply, against the two fused (configs swept)."""
+    act = importlib.import_module("loraplex.ops.triton.lora_act_sgmv")
+    k, outs = PROJECTIONS["gate_up"]
+    x, w, a, b = projection_tensors(tokens, k, outs, max_loras, rank, dev)
+    y = x @ w.T
+    buf = ops.lora_shrink(x, a, batch)
+    row = {"silu_and_mul alone": bench(lambda: ops.silu_and_mul(y)) * 1e3,
+           "expand + silu_and_mul": bench(lambda: (ops.lora_expand(buf, b, y, tuple(outs), batch),
+                                                   ops.silu_and_mul(y))) * 1e3}
+    base = act.act_config
+    for bm, bn, tb, warps in [(16, 256, 4, 4), (16, 128, 4, 4), (16, 128, 8, 4), (16, 128, 16, 4),
+                              (16, 64, 8, 4), (16, 64, 16, 4), (16, 128, 8, 2), (16, 64, 16, 2)]:
+        act.act_config = lambda t, c=dict(BLOCK_M=bm, BLOCK_N=bn, TILE_BLOCKS=tb, num_warps=warps): c
+        row[f"fused m{bm} n{bn} t{tb} w{warps}"] = bench(
+            lambda: ops.lora_act_and_mul(y, buf, b, batch, "silu")) * 1e3
+    act.act_config = base
+    row["floor (gate_up read, out write)"] = tokens * sum(outs) * 3 // 2 * 2 / 4.3e12 * 1e6
+    print("gate_up activation:", {key: round(v, 1) for key, v in row.items()})
 
 
 if __name__ == "__main__":
