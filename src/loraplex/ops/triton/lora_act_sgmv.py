@@ -4,11 +4,11 @@ form (steps with prefill): out[t, n] = act(g + dg) * (u + du) for every token t,
 
 Tiles of up to TILE_BLOCKS x BLOCK_M tokens of one adapter group (tokens sorted by slot,
 as the expand) by BLOCK_N columns of the intermediate size I; after the groups come tiles
-of the tokens without an adapter, which only activate. Each adapter tile computes its delta on the
-tensor cores from the group's shrunk rows and B, adds it to the gate and up tiles it
-reads anyway, and writes the activation: the projection's output ([T, 2I], the largest
-activation of the layer) is read once, where expand + activation read it twice and wrote
-it once more.
+of the tokens without an adapter, which only activate. An adapter tile computes its delta
+on the tensor cores from the group's shrunk rows and B (loaded once per program), adds it
+to the gate and up tiles it reads anyway, and writes the activation: the projection's
+output ([T, 2I], the largest activation of the layer) is read once, where expand +
+activation read it twice and wrote it once more.
 """
 
 from __future__ import annotations
