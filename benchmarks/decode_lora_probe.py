@@ -7,7 +7,8 @@ moe: one MoE layer's experts (Qwen3-30B-A3B, gpt-oss-20b shapes), 16 tokens, 16 
 on every expert: base, expert adapters per pair (GEMV form, n_split swept) and aligned
 by (slot, expert), and their kernels alone.
 dense: Llama-3.1-8B's four projections per layer, 32 tokens of 32 adapters: base GEMMs,
-LoRA GEMV shrink beside the GEMM (as decode graphs run it) or after it, and the shrink
+LoRA GEMV shrink beside the GEMM (as decode graphs run it) or after it, or split over rank
+rows instead of K (no zero fill, no atomics), and the shrink
 folded into the base GEMM (A stacked under W: one cuBLAS call) or as its own cuBLAS call,
 each with the GEMV expand reading its token's slot columns.
 """
@@ -170,6 +171,45 @@ def expand_slot_cols(buf, strides, b, y, sizes, token_slot, rank):
         b.stride(0), b.stride(1), y.stride(0), N_BLOCKS_PER_SLICE=n_blocks, BLOCK_N=256, BLOCK_R=rank)
 
 
+@triton.jit
+def _shrink_rows_kernel(x_ptr, a_ptr, out_ptr, token_slot_ptr, slot_ranks_ptr, K,
+                        stride_xm, stride_as, stride_al, stride_ar, stride_os, stride_om,
+                        R_SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The shrink GEMV split over rank rows instead of K: each program owns ROWS of the
+    token's A over all of K and stores them (no zero fill, no atomics; x read R_SPLIT
+    times, from L2)."""
+    s = tl.program_id(0) // R_SPLIT
+    r0 = (tl.program_id(0) % R_SPLIT) * ROWS
+    t = tl.program_id(1)
+    slot = tl.load(token_slot_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    if r0 >= rank:
+        return
+    r = r0 + tl.arange(0, ROWS)
+    r_mask = r < rank
+    k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + s * stride_as + slot * stride_al + r[:, None] * stride_ar
+    acc = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + t * stride_xm + k0 + k).to(tl.float32)
+        a = tl.load(a_rows + k0 + k[None, :], mask=r_mask[:, None], other=0.0)
+        acc += a.to(tl.float32) * x[None, :]
+    tl.store(out_ptr + s * stride_os + t * stride_om + r, tl.sum(acc, axis=1), mask=r_mask)
+
+
+def shrink_rows(x, a, batch, r_split):
+    s, _, rank, k = a.shape
+    t = x.shape[0]
+    out = torch.empty(s, t, rank, dtype=torch.float32, device=x.device)
+    _shrink_rows_kernel[(s * r_split, t)](
+        x, a, out, batch.token_slot, batch.slot_ranks, k, x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2), out.stride(0), out.stride(1), R_SPLIT=r_split, ROWS=rank // r_split, BLOCK_K=512,
+        num_warps=4)
+    return out
+
+
 def dense(layers=32, t=32, slots=32, rank=16):
     from loraplex.ops.metadata import make_lora_batch
     from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
@@ -196,14 +236,14 @@ def dense(layers=32, t=32, slots=32, rank=16):
         for p in projs:
             torch.mm(xs[p["k"]], p["w"].T, out=ys[p["name"]])
 
-    def gemv(side):
+    def gemv(side, shrink=lora_shrink_gemv):
         for p in projs:
             x, y = xs[p["k"]], ys[p["name"]]
             if side:
                 main = torch.cuda.current_stream()
                 aux.wait_stream(main)
                 with torch.cuda.stream(aux):
-                    buf = lora_shrink_gemv(x, p["a"], batch)
+                    buf = shrink(x, p["a"], batch)
                 torch.mm(x, p["w"].T, out=y)
                 main.wait_stream(aux)
             else:
@@ -228,6 +268,14 @@ def dense(layers=32, t=32, slots=32, rank=16):
     timed("llama base GEMMs (4 per layer)", base, layers)
     timed("llama + LoRA GEMV, shrink on a side stream (decode graphs now)", lambda: gemv(True), layers)
     timed("llama + LoRA GEMV, one stream", lambda: gemv(False), layers)
+    for r_split in (2, 4, 8, 16):
+        timed(f"llama + LoRA GEMV, shrink split over rank ({r_split}), side stream",
+              lambda: gemv(True, lambda x, a, b: shrink_rows(x, a, b, r_split)), layers)
+    for p in projs[:4]:
+        x = xs[p["k"]]
+        want = lora_shrink_gemv(x, p["a"], batch)
+        diff = rel(shrink_rows(x, p["a"], batch, 4), want)
+        print(f"  {p['name']}: shrink over rank vs split-K rel diff {diff:.2e}")
     timed("llama + every slot's A stacked under W (one GEMM) + expand", lambda: stacked(True), layers)
     timed("llama + shrink as its own cuBLAS GEMM over every slot + expand", lambda: stacked(False), layers)
     # Correctness of the stacked forms against the GEMV path, on layer 0's projections.
