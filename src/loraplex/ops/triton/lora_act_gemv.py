@@ -16,7 +16,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.activation import gated_act
-from loraplex.ops.triton.lora_common import rank_ceil
+from loraplex.ops.triton.lora_common import gated_output, rank_ceil
 
 # As the expand GEMV (benchmarks/kernels.py): B blocks of 256 rows x r.
 BLOCK_N = 256
@@ -55,11 +55,8 @@ def _lora_act_gemv_kernel(
 
 def lora_act_gemv(gate_up: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor,
                   batch: LoRABatch, activation: str) -> torch.Tensor:
-    num_tokens, two_width = gate_up.shape
-    width = two_width // 2
-    assert buf.shape[:2] == (2, num_tokens) and lora_b.shape[1] == two_width, (buf.shape, lora_b.shape)
-    assert gate_up.stride(1) == 1 and buf.stride(2) == 1 and lora_b.stride(2) == 1
-    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    out = gated_output(gate_up, buf, lora_b)
+    num_tokens, width = out.shape
     block_n = min(BLOCK_N, triton.next_power_of_2(width))
     _lora_act_gemv_kernel[(triton.cdiv(width, block_n), num_tokens)](
         gate_up, buf, lora_b, out, batch.token_slot, batch.slot_ranks, width,

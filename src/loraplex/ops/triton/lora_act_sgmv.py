@@ -19,7 +19,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.activation import gated_act
-from loraplex.ops.triton.lora_common import rank_ceil
+from loraplex.ops.triton.lora_common import gated_output, rank_ceil
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile_or_tail, max_tiles
 
@@ -86,11 +86,8 @@ def _lora_act_sgmv_kernel(
 
 def lora_act_sgmv(gate_up: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor,
                   batch: LoRABatch, activation: str) -> torch.Tensor:
-    num_tokens, two_width = gate_up.shape
-    width = two_width // 2
-    assert buf.shape[:2] == (2, num_tokens) and lora_b.shape[1] == two_width, (buf.shape, lora_b.shape)
-    assert gate_up.stride(1) == 1 and buf.stride(2) == 1 and lora_b.stride(2) == 1
-    out = torch.empty(num_tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    out = gated_output(gate_up, buf, lora_b)
+    num_tokens, width = out.shape
     num_groups = batch.group_slots.shape[0]
     cfg = act_config(num_tokens)
     span = cfg["BLOCK_M"] * cfg["TILE_BLOCKS"]

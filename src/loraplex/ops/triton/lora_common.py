@@ -31,6 +31,16 @@ def slice_starts(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return _slice_starts[key]
 
 
+def gated_output(gate_up: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """The output [T, I] of an activation fused with the gate/up expand (both forms), once
+    the operands are checked: gate_up [T, 2I], buf [2, T, R] and B [L, 2I, R], each with
+    unit stride along its last dimension."""
+    num_tokens, two_width = gate_up.shape
+    assert buf.shape[:2] == (2, num_tokens) and lora_b.shape[1] == two_width, (buf.shape, lora_b.shape)
+    assert gate_up.stride(1) == 1 and buf.stride(2) == 1 and lora_b.stride(2) == 1
+    return torch.empty(num_tokens, two_width // 2, dtype=gate_up.dtype, device=gate_up.device)
+
+
 @triton.jit
 def rank_ceil(rank):
     """`rank` rounded up to 8 (one 16-byte bf16 vector), marked as such for the compiler.
