@@ -107,6 +107,15 @@ def check_lora_shrink_expand(popularity, num_tokens, in_f, sizes, shrink=None, e
     assert torch.equal(y.cpu()[base], y0[base]), "tokens without an adapter must not change"
 
 
+def slot_b(ranks: list[int], rows: int, max_rank: int, gen: torch.Generator) -> torch.Tensor:
+    """B of one slot per rank, [slots, rows, max_rank], random up to each slot's rank and
+    zero past it, as adapter slots keep it."""
+    b = torch.zeros(len(ranks), rows, max_rank)
+    for s, r in enumerate(ranks):
+        b[s, :, :r] = torch.randn(rows, r, generator=gen)
+    return b
+
+
 ACT_SHAPES = [(1, 48, "silu"), (37, 40, "gelu_tanh"), (130, 24, "silu"), (300, 16, "gelu_tanh")]
 
 
@@ -138,9 +147,7 @@ def test_lora_act_and_mul_rounds_as_the_unfused_kernels(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     width, ranks = 40, [16, 8, 3]
     slots = token_slots("mixed-with-base", num_tokens, len(ranks), gen)
-    b = torch.zeros(len(ranks), 2 * width, 16)
-    for s, r in enumerate(ranks):
-        b[s, :, :r] = torch.randn(2 * width, r, generator=gen)
+    b = slot_b(ranks, 2 * width, 16, gen)
     buf = torch.randn(2, num_tokens, 16, generator=gen).to(DEVICE)
     gate_up = torch.randn(num_tokens, 2 * width, generator=gen).to(DEVICE, torch.bfloat16)
     b = b.to(DEVICE, torch.bfloat16)
@@ -156,9 +163,7 @@ def check_lora_act_and_mul(popularity, num_tokens, width, activation, fused=None
     max_loras, max_rank = 5, 16
     ranks = [16, 8, 3, 1, 12]
     slots = token_slots(popularity, num_tokens, max_loras, gen)
-    b = torch.zeros(max_loras, 2 * width, max_rank)
-    for s, r in enumerate(ranks):  # columns past an adapter's rank stay zero, as in slots
-        b[s, :, :r] = torch.randn(2 * width, r, generator=gen)
+    b = slot_b(ranks, 2 * width, max_rank, gen)
     # The shrink's rows past a token's rank, and of tokens without an adapter, are
     # unspecified: random here, and they must not count.
     buf = torch.randn(2, num_tokens, max_rank, generator=gen)
