@@ -11,6 +11,12 @@ the queue while everything else keeps running. poll(), on the engine thread, mov
 finished loads into host memory; take_resolved() reports the tickets that became ready
 or failed.
 Only the engine thread touches the HostCache; workers only read, parse and validate.
+
+A LoRARequest from a path is bound to the content it was first read as: while that is
+in host memory the request gets it, whatever happened to the files since; read again
+(after an eviction), files that now hold other content fail its requests rather than
+serve other weights under its name. Another name reads what the files hold now. (A
+registry name resolves to its latest version at each request instead.)
 """
 
 from __future__ import annotations
@@ -36,13 +42,14 @@ from loraplex.adapters.peft import (
     AdapterTargets,
     LoRAAdapter,
     read_adapter_dir,
+    shown,
     to_canonical,
 )
 from loraplex.adapters.pinned_pool import PinnedPool
 from loraplex.adapters.registry import Registry
 from loraplex.adapters.safetensors_io import TensorFile
 from loraplex.adapters.sources import AdapterSource, DiskCache, download, resolve
-from loraplex.errors import AdapterError, AdapterInvalid, AdapterUnavailable
+from loraplex.errors import AdapterError, AdapterInvalid, AdapterNotFound, AdapterUnavailable
 from loraplex.types import LoRARequest
 
 # Adapter files read (and checked) at once; see AdapterManager.__init__.
@@ -91,6 +98,7 @@ class AdapterManager:
         if not isinstance(targets, AdapterTargets):
             targets = AdapterTargets(targets)
         self.targets, self.max_rank, self.dtype = targets, max_rank, dtype
+        self.limits = targets.file_limits(max_rank)  # weights files past these are not read
         self.host = host
         self.pool = None
         if torch.cuda.is_available():  # one pinned buffer per host adapter and per loader
@@ -109,7 +117,8 @@ class AdapterManager:
         # bounded by this.
         self._reading = threading.Semaphore(parallel_reads)
         self._loads: dict[str, _Load] = {}  # source key -> the load in progress
-        self._content_of: dict[str, str] = {}  # source key -> content id, once read
+        self._content_of: dict[str, tuple[str, str]] = {}  # source uri -> (its key when read, content id)
+        self._bound: dict[str, str] = {}  # LoRARequest.key -> content id, for path sources
         self._resolved: list[AdapterTicket] = []  # since the last take_resolved()
         self._finished = threading.Event()  # a worker finished a load
         self.num_loads: Counter[str] = Counter()  # loads by tier read from: disk / remote
@@ -123,7 +132,7 @@ class AdapterManager:
         ticket = AdapterTicket(lora, source)
         if cid is not None and cid in self.host:
             self.host.ref(cid)
-            ticket.state, ticket.content_id, ticket.tier = "ready", cid, "host"
+            self._ready(ticket, cid, "host", None)
             return ticket
         self._start(source, cid).tickets.append(ticket)
         return ticket
@@ -138,16 +147,20 @@ class AdapterManager:
                 del self._loads[key]
                 try:
                     adapter, tier, seconds = load.future.result()
-                except AdapterError as e:
-                    self._fail(load, e)
-                except Exception as e:  # a bug or an unexpected format: still this adapter's alone
-                    self._fail(load, AdapterInvalid(load.source.name, f"cannot load: {type(e).__name__} {e}"))
+                except Exception as e:
+                    self._fail(load, _adapter_error(load.source, e))
                 else:
-                    self._content_of[load.source.key] = adapter.key
+                    self._content_of[load.source.uri] = (load.source.key, adapter.key)
                     self.num_loads[tier] += 1
-                    self.host.put(adapter, refs=len(load.tickets))
+                    ready, changed = [], []  # (requests bound to other content must not get this)
                     for t in load.tickets:
-                        t.state, t.content_id, t.tier, t.load_time = "ready", adapter.key, tier, seconds
+                        bound = self._bound_to(t.lora, t.source)
+                        (ready if bound in (None, adapter.key) else changed).append(t)
+                    self.host.put(adapter, refs=len(ready))
+                    for t in ready:
+                        self._ready(t, adapter.key, tier, seconds)
+                    for t in changed:
+                        t.state, t.error = "failed", self._changed(t.source)
                 resolved += load.tickets
             elif now - load.started > self.timeout:
                 del self._loads[key]  # the worker's eventual result is dropped
@@ -207,10 +220,13 @@ class AdapterManager:
             out.set_result(cid)
             return out
         load = self._start(source, cid)
+        bound = self._bound_to(lora, source)
 
         def done(f: Future) -> None:
             if f.exception() is not None:
-                out.set_exception(f.exception())
+                out.set_exception(_adapter_error(source, f.exception()))
+            elif bound not in (None, f.result()[0].key):
+                out.set_exception(self._changed(source))
             else:
                 out.set_result(f.result()[0].key)
 
@@ -225,21 +241,55 @@ class AdapterManager:
         return ticket.content_id
 
     def forget(self, lora: LoRARequest) -> str | None:
-        """Drop what is known of `lora` (unload); returns its content id if it was read."""
+        """Drop what is known of `lora` (unload; its name is then free to load what its
+        files hold by then); returns its content id if it was read."""
+        cid = self._bound.pop(lora.key, None)
         try:
             source = resolve(lora, self.registry)
         except AdapterError:
-            return None
-        cid = source.content_id or self._content_of.pop(source.key, None)
+            source = None
+        if source is not None:
+            read = self._content_of.pop(source.uri, (None, None))[1]
+            cid = source.content_id or cid or read
         if cid is not None:
             self.host.pinned.discard(cid)
             self.host.forget(cid)
         return cid
 
     def _resolve(self, lora: LoRARequest) -> tuple[AdapterSource, str | None]:
-        """Its source, and its content id if known without reading it."""
-        source = resolve(lora, self.registry)
-        return source, source.content_id or self._content_of.get(source.key)
+        """Its source, and its content id if known without reading it: for a request
+        bound to content (_bound_to) that content while it is in host memory, even where
+        its files changed or are gone."""
+        bound = self._bound.get(lora.key) if lora.lora_path else None
+        try:
+            source = resolve(lora, self.registry)
+        except AdapterNotFound:
+            if bound is None or bound not in self.host:
+                raise
+            return AdapterSource(lora.lora_name, lora.lora_path, remote=False), bound
+        if source.content_id is not None:
+            return source, source.content_id
+        known, cid = self._content_of.get(source.uri, (None, None))
+        cid = cid if known == source.key else None
+        if bound is None or bound == cid or bound in self.host:
+            return source, bound or cid
+        if cid is not None:  # the files hold other content now, known without reading them
+            raise self._changed(source)
+        return source, None  # read again: poll() fails its tickets if the content changed
+
+    def _bound_to(self, lora: LoRARequest, source: AdapterSource) -> str | None:
+        """The content `lora` was first read as, for a source without a registry content id."""
+        return self._bound.get(lora.key) if source.content_id is None else None
+
+    def _ready(self, ticket: AdapterTicket, cid: str, tier: str, seconds: float | None) -> None:
+        ticket.state, ticket.content_id, ticket.tier, ticket.load_time = "ready", cid, tier, seconds
+        if ticket.source.content_id is None:
+            self._bound.setdefault(ticket.lora.key, cid)
+
+    @staticmethod
+    def _changed(source: AdapterSource) -> AdapterInvalid:
+        return AdapterInvalid(source.name, f"the files at {shown(source.uri)} changed since this adapter "
+                                           "was loaded; load them under a new name")
 
     # -- loads -----------------------------------------------------------------------------
 
@@ -283,13 +333,13 @@ class AdapterManager:
         slab = self.pool.take(_weights_size(local)) if self.pool is not None else None
         try:
             if staged is not None:
-                download(source, staged, self.timeout)
+                download(source, staged, self.timeout, self.limits.file_bytes)
             with self._reading:
                 # No pool buffer (the pool spent, or a float32 file too big for one): pageable
                 # memory. Page-locking per load took ~50 ms a call under load and stalled
                 # every kernel launch meanwhile (1,000 cold adapters: 9 calls, 475 ms); a
                 # pageable buffer costs the slot copy ~10 ms of synchronous copying instead.
-                config, tensors = read_adapter_dir(source.name, local, False, slab)
+                config, tensors = read_adapter_dir(source.name, local, False, slab, self.limits)
                 cid = cid if verified else content_id(config, tensors)
                 if source.content_id is not None and cid != source.content_id:
                     raise AdapterInvalid(source.name,
@@ -315,6 +365,14 @@ class AdapterManager:
             else:
                 shutil.rmtree(staged, ignore_errors=True)
         return adapter, tier, time.perf_counter() - t0
+
+
+def _adapter_error(source: AdapterSource, error: BaseException) -> AdapterError:
+    """A failed read as the adapter's typed error: a bug or an unexpected format is still
+    this adapter's alone."""
+    if isinstance(error, AdapterError):
+        return error
+    return AdapterInvalid(source.name, f"cannot load: {type(error).__name__} {shown(str(error))}")
 
 
 def _weights_size(adapter_dir: str) -> int:

@@ -10,15 +10,27 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import regex
 import torch
 
 from loraplex.adapters.experts import ExpertLoRA, ExpertShape, canonical_experts, lora_scaling, owner
-from loraplex.adapters.safetensors_io import TensorFile, memory_span, read_safetensors, tensor_meta
+from loraplex.adapters.safetensors_io import (
+    MAX_HEADER,
+    Limits,
+    TensorFile,
+    TooLarge,
+    memory_span,
+    read_safetensors,
+    tensor_meta,
+)
 from loraplex.errors import AdapterInvalid, AdapterNotFound, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
@@ -29,6 +41,15 @@ FINITE_MARK = "loraplex-checked-finite"
 _KEY = re.compile(
     r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>A|B|magnitude_vector)(\.weight)?$"
 )
+MAX_CONFIG_BYTES = 1 << 20  # a LoRA config is a few KB; a larger file is not read
+# rank_pattern / alpha_pattern keys are regexes written by the adapter's author, matched
+# with `regex`, which releases the GIL and takes a timeout: under `re` a key that
+# backtracks exponentially holds the GIL, and with it the engine thread, for hours.
+PATTERN_SECONDS = 5.0  # for all of one adapter's pattern keys
+_F32_MAX = float(np.finfo(np.float32).max)  # slot copies multiply B by the scaling in float32
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 160
+shown = _SHOWN.repr  # a value in an error message: long ones cut short, nesting bounded
 
 
 @dataclass
@@ -88,36 +109,97 @@ class AdapterTargets:
                       for x in self.experts.values())
         return max_rank * (dense + experts) * itemsize
 
+    @property
+    def num_modules(self) -> int:
+        """Modules an adapter may name: projections, and per experts module its fused
+        parameters (2) or per-expert projections (3 an expert)."""
+        return len(self.projections) + sum(3 * x.num_experts + 2 for x in self.experts.values())
 
-def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
-    # PEFT's rank_pattern / alpha_pattern: a key matches a module path suffix (regex).
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    def file_limits(self, max_rank: int) -> Limits:
+        """The most a weights file of an adapter of rank <= max_rank holds for this model,
+        checked before its data is read: its values (in any dtype; DoRA magnitude vectors
+        included) and a header of 3 KiB a module (A, B, magnitude) and 1 MiB of metadata."""
+        values = self.max_bytes(max_rank, 1) + sum(o for _, o in self.projections.values())
+        return Limits(values, min(MAX_HEADER, (1 << 20) + 3 * 1024 * self.num_modules))
+
+
+class _Patterns:
+    """PEFT's rank_pattern / alpha_pattern: a module takes the value of the first key
+    (a regex) that matches a suffix of its path."""
+
+    def __init__(self, name: str, field: str, patterns: Mapping[str, float], targets: AdapterTargets,
+                 deadline: float):
+        self.name, self.field, self.deadline = name, field, deadline
+        if len(patterns) > targets.num_modules + 64:  # more keys than the model has modules
+            raise AdapterInvalid(name, f"{field} has {len(patterns)} keys; this model has "
+                                       f"{targets.num_modules} modules to adapt")
+        self.keys = []
+        for key, value in patterns.items():
+            try:  # a regex by itself too: "q_proj)(" is one only inside PEFT's wrapper
+                regex.compile(key)
+                self.keys.append((regex.compile(rf"(.*\.)?({key})$"), value))
+            except (regex.error, OverflowError, RecursionError) as e:
+                raise AdapterInvalid(name, f"{field} key {shown(key)} is not a regular expression: "
+                                           f"{str(e)[:200]}") from None
+            self._left()
+
+    def value(self, module: str, default: float) -> float:
+        for pattern, value in self.keys:
+            try:
+                if pattern.match(module, timeout=self._left()):
+                    return value
+            except TimeoutError:
+                raise self._too_slow() from None
+        return default
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._too_slow()
+        return left
+
+    def _too_slow(self) -> AdapterInvalid:
+        return AdapterInvalid(self.name, f"{self.field} took over {PATTERN_SECONDS:g} s to match module "
+                                         "paths (a key that backtracks?)")
 
 
 def read_adapter_dir(name: str, path: str | Path, pinned: bool = False,
-                     into: torch.Tensor | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+                     into: torch.Tensor | None = None,
+                     limits: Limits | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """The config and tensors of a local PEFT directory, with file-level checks; the
-    tensors are views into one buffer holding the weights file (page-locked if `pinned`)."""
+    tensors are views into one buffer holding the weights file (page-locked if `pinned`).
+    limits: the most the weights file may hold (AdapterTargets.file_limits), checked
+    before its data is read."""
     path = Path(path)
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
-    if not config_file.is_file():
-        raise AdapterNotFound(name, f"no {CONFIG_FILE} in {str(path)!r}")
-    if not weights_file.is_file():
-        if (path / "adapter_model.bin").is_file():
-            raise AdapterInvalid(name, "pickled adapter_model.bin is not loaded; save as safetensors")
-        raise AdapterNotFound(name, f"no {WEIGHTS_FILE} in {str(path)!r}")
     try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        if not config_file.is_file():
+            raise AdapterNotFound(name, f"no {CONFIG_FILE} in {shown(str(path))}")
+        if not weights_file.is_file():
+            if (path / "adapter_model.bin").is_file():
+                raise AdapterInvalid(name, "pickled adapter_model.bin is not loaded; save as safetensors")
+            raise AdapterNotFound(name, f"no {WEIGHTS_FILE} in {shown(str(path))}")
+        with open(config_file, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise AdapterInvalid(name, f"cannot read {shown(str(path))}: {reason}") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise AdapterInvalid(name, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes; not an adapter config")
+    try:
+        config = json.loads(text)
+    except RecursionError:
+        raise AdapterInvalid(name, f"{CONFIG_FILE} is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # (JSONDecodeError, bad UTF-8, Python's digit limit)
         raise AdapterInvalid(name, f"{CONFIG_FILE} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise AdapterInvalid(name, f"{CONFIG_FILE} is not a JSON object")
     _check_config(name, config)
     try:
-        tensors = read_safetensors(str(weights_file), pinned, into)
+        tensors = read_safetensors(str(weights_file), pinned, into, limits)
+    except TooLarge as e:
+        raise AdapterTooLarge(name, f"{WEIGHTS_FILE} {e}: more than an adapter of rank <= max_lora_rank "
+                                    "holds for this model") from None
     except (OSError, ValueError) as e:
         raise AdapterInvalid(name, f"unreadable {WEIGHTS_FILE}: {e}") from None
     return config, tensors
@@ -168,14 +250,20 @@ def to_canonical(
         raise AdapterInvalid(name, f"{WEIGHTS_FILE} holds no LoRA weights")
 
     use_dora = bool(config.get("use_dora", False))
-    rank_pattern = config.get("rank_pattern") or {}
-    alpha_pattern = config.get("alpha_pattern") or {}
+    deadline = time.monotonic() + PATTERN_SECONDS
+    rank_pattern = _Patterns(name, "rank_pattern", config.get("rank_pattern") or {}, targets, deadline)
+    alpha_pattern = _Patterns(name, "alpha_pattern", config.get("alpha_pattern") or {}, targets, deadline)
 
     def scaling_of(module: str, r: int) -> float:
-        cfg_r = _pattern_value(rank_pattern, module, config.get("r", r))
+        cfg_r = rank_pattern.value(module, config.get("r", r))
         if cfg_r != r:
             raise AdapterInvalid(name, f"{module}: weights have rank {r}, config says {cfg_r}")
-        return lora_scaling(config, _pattern_value(alpha_pattern, module, config.get("lora_alpha", r)), r)
+        alpha = alpha_pattern.value(module, config.get("lora_alpha", r))
+        scaling = lora_scaling(config, alpha, r)
+        if not scaling <= _F32_MAX:  # (alpha and r are finite positive: _check_config)
+            raise AdapterInvalid(name, f"{module}: LoRA scaling {scaling:g} (lora_alpha {alpha:g}, r {r}) "
+                                       "is past float32's range")
+        return scaling
 
     if on_experts and use_dora:
         raise AdapterInvalid(name, "DoRA on experts is not supported")
@@ -198,6 +286,8 @@ def to_canonical(
                 name,
                 f"{module}: lora_A {a_shape} / lora_B {b_shape} do not fit a {in_f} -> {out_f} projection",
             )
+        if r < 1:
+            raise AdapterInvalid(name, f"{module}: lora_A {a_shape} has rank 0")
         if r > max_rank:
             raise AdapterTooLarge(name, f"rank {r} of {module} exceeds max_lora_rank={max_rank}")
         modules[module] = (ab["A"], ab["B"], scaling_of(module, r))
@@ -315,16 +405,46 @@ def _finite_bytes(raw: np.ndarray, dtype: torch.dtype) -> bool:
 
 
 def _check_config(name: str, config: dict) -> None:
+    """The fields that change the arithmetic, typed as PEFT writes them: a value of another
+    type (NaN and Infinity parse as floats) would make the model output garbage."""
     def unsupported(what):
         raise AdapterInvalid(name, f"{what} is not supported")
 
     if config.get("peft_type", "LORA") != "LORA":
-        unsupported(f"peft_type {config['peft_type']!r}")
+        unsupported(f"peft_type {shown(config['peft_type'])}")
     if config.get("modules_to_save"):
-        unsupported(f"modules_to_save {config['modules_to_save']}")
+        unsupported(f"modules_to_save {shown(config['modules_to_save'])}")
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         unsupported("LoRA bias")
-    for key in ("r", "lora_alpha"):
+    for key, valid, what in (("r", _positive_int, "a positive integer"),
+                             ("lora_alpha", _positive_finite, "a finite positive number")):
         value = config.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or value <= 0):
-            raise AdapterInvalid(name, f"{key} must be a positive number, got {value!r}")
+        if value is not None and not valid(value):
+            raise AdapterInvalid(name, f"{key} must be {what}, got {shown(value)}")
+    for key, valid, what in (("rank_pattern", _positive_int, "positive integers"),
+                             ("alpha_pattern", _positive_finite, "finite positive numbers")):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            raise AdapterInvalid(name, f"{key} must map module patterns to {what}, got a "
+                                       f"{type(patterns).__name__}")
+        bad = next((k for k, v in patterns.items() if not valid(v)), None)
+        if bad is not None:
+            raise AdapterInvalid(name, f"{key}[{shown(bad)}] is {shown(patterns[bad])}; "
+                                       f"values must be {what}")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(key) is not None and type(config[key]) is not bool:
+            raise AdapterInvalid(name, f"{key} must be true or false, got {shown(config[key])}")
+    targets = config.get("target_parameters")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise AdapterInvalid(name, f"target_parameters must be a list of names, got {shown(targets)}")
+
+
+def _positive_int(value) -> bool:
+    return type(value) is int and value > 0  # (not True, not 4.0)
+
+
+def _positive_finite(value) -> bool:
+    # Not NaN or inf, and not an integer too large for a float (10**400 written out).
+    return type(value) in (int, float) and 0 < value <= sys.float_info.max

@@ -6,8 +6,10 @@ names, shapes and bytes from the header and the buffer, and a GPU copy needs onl
 offsets. Each view is a few torch calls, and each torch call on a worker thread hands
 the GIL back and forth with the engine thread, whose every kernel launch then waits for
 it: hundreds per adapter slowed the engine's eager steps several times over while
-adapters loaded. Corrupt files (short, bad header, offsets out of range, unknown
-dtypes) raise ValueError.
+adapters loaded. The header is read and checked before the data (a corrupt or oversized
+file is refused without reading it): corrupt files (short, bad header, tensors that do not
+tile the data exactly, unknown dtypes) raise ValueError, files past the caller's limits
+TooLarge.
 """
 
 from __future__ import annotations
@@ -21,6 +23,23 @@ import numpy as np
 import torch
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+MAX_HEADER = 100_000_000  # bytes of JSON header, as the safetensors library bounds it
+
+
+class TooLarge(ValueError):
+    """The file holds more than the caller's limits allow (found before reading its data)."""
+
+
+class Limits(NamedTuple):
+    """The most a file may hold: tensor values (of any dtype) and header bytes."""
+
+    values: int
+    header: int = MAX_HEADER
+
+    @property
+    def file_bytes(self) -> int:
+        """The largest file within these limits (every value float64, the widest dtype)."""
+        return 8 + self.header + 8 * self.values
 
 
 class Entry(NamedTuple):
@@ -108,46 +127,98 @@ def _read_direct(path: str, into: torch.Tensor, size: int) -> bool:
         os.close(fd)
 
 
-def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None) -> TensorFile:
-    """`into`: a uint8 buffer to read into if the file fits (else one is allocated)."""
-    size = os.path.getsize(path)
-    if size < 8:
-        raise ValueError(f"{size} bytes is too short for a safetensors file")
-    if into is not None and into.numel() >= size:
-        buf = into[:size]
-    else:
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-    view = memoryview(buf.numpy())
-    if not (DIRECT_READS and into is not None and _read_direct(path, into, size)):
-        with open(path, "rb", buffering=0) as f:
-            done = 0
-            while done < size:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise ValueError(f"file shrank while reading ({done} of {size} bytes)")
-                done += n
-    header_len = int.from_bytes(view[:8], "little")
-    if not 0 < header_len <= size - 8:
-        raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+def read_safetensors(path: str, pinned: bool, into: torch.Tensor | None = None,
+                     limits: Limits | None = None) -> TensorFile:
+    """`into`: a uint8 buffer to read into if the file fits (else one is allocated).
+    The header is read and checked first, and the file against `limits`: a corrupt or
+    oversized file costs a header read, never a read of its data."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise ValueError(f"{size} bytes is too short for a safetensors file")
+        head = bytearray(8)
+        _read_into(f, memoryview(head), 0, 8)
+        header_len = int.from_bytes(head, "little")
+        if not 0 < header_len <= size - 8:
+            raise ValueError(f"header length {header_len} does not fit a {size}-byte file")
+        max_header = limits.header if limits is not None else MAX_HEADER
+        if header_len > max_header:
+            raise TooLarge(f"has a header of {header_len} bytes (at most {max_header})")
+        header = bytearray(header_len)
+        _read_into(f, memoryview(header), 0, header_len)
+        base = 8 + header_len
+        entries, values = _entries(header, base, size - base)
+        if limits is not None and values > limits.values:
+            raise TooLarge(f"holds {values} values (at most {limits.values})")
+        if into is not None and into.numel() >= size:
+            buf = into[:size]
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        if not (DIRECT_READS and into is not None and _read_direct(path, into, size)):
+            view = memoryview(buf.numpy())
+            view[:8], view[8:base] = head, header  # the header as checked, then the data in one read
+            _read_into(f, view, base, size)
+    return TensorFile(buf, entries)
+
+
+def _read_into(f, view: memoryview, done: int, size: int) -> None:
+    while done < size:
+        n = f.readinto(view[done:size])
+        if not n:
+            raise ValueError(f"file shrank while reading ({done} of {size} bytes)")
+        done += n
+
+
+def _entries(header: bytes, base: int, data_len: int) -> tuple[dict[str, Entry], int]:
+    """The header's tensors (offsets from the file's start) and their number of values.
+    The tensors must tile the data section exactly: no byte read as two tensors, none
+    unread (as the safetensors library requires)."""
     try:
-        header = json.loads(bytes(view[8 : 8 + header_len]))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        parsed = json.loads(header)
+    except RecursionError:
+        raise ValueError("header is not JSON: nested too deeply") from None
+    except ValueError as e:  # (bad UTF-8 and Python's digit limit are ValueErrors too)
         raise ValueError(f"header is not JSON: {e}") from None
-    base, data_len = 8 + header_len, size - 8 - header_len
-    entries = {}
-    for name, info in header.items():
+    if not isinstance(parsed, dict):
+        raise ValueError("header is not a JSON object")
+    entries, spans, values = {}, [], 0
+    for name, info in parsed.items():
         if name == "__metadata__":
             continue
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            ok = all(type(x) is int and x >= 0 for x in (*shape, begin, end))  # (not bool, not 2.0)
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"tensor {name!r} has a malformed header entry") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= begin <= end <= data_len or end - begin != numel * dtype.itemsize:
-            raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape or the file")
+            ok = False
+        if not ok:
+            raise ValueError(f"tensor {name[:200]!r} has a malformed header entry")
+        numel = _numel(shape, data_len)
+        if end - begin != numel * dtype.itemsize:
+            raise ValueError(f"tensor {name[:200]!r}: offsets {begin}..{end} do not fit its shape")
         entries[name] = Entry(dtype, shape, base + begin, base + end)
-    return TensorFile(buf, entries)
+        spans.append((begin, end, name))
+        values += numel
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ValueError(f"tensor {name[:200]!r} begins at byte {begin} of the data, not {at}: "
+                             "tensors overlap or leave gaps")
+        at = end
+    if at != data_len:
+        raise ValueError(f"the tensors end at byte {at} of a {data_len}-byte data section")
+    return entries, values
+
+
+def _numel(shape: tuple[int, ...], cap: int) -> int:
+    """math.prod(shape), stopped once past `cap` (millions of huge dims multiplied out
+    would take minutes; such a tensor fits no file anyway)."""
+    if 0 in shape:
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel > cap:
+            break
+    return numel
