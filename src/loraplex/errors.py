@@ -21,9 +21,27 @@ class ModelLoadError(LoraplexError):
 class InvalidRequest(LoraplexError, ValueError):
     """A request's prompt or sampling parameters cannot be served."""
 
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param  # the request field at fault, where one is
+
 
 class PromptTooLong(InvalidRequest):
     """The prompt leaves no room to generate within max_model_len."""
+
+
+class EngineFailure(LoraplexError):
+    """The engine raised while stepping and this request was ended with it."""
+
+
+class RequestFailed(LoraplexError):
+    """A step failed on one request's input (raised inside the step, naming the request,
+    so the engine ends that request alone)."""
+
+    def __init__(self, request_id: str, cause: Exception):
+        super().__init__(f"request {request_id!r}: {type(cause).__name__}: {cause}")
+        self.request_id = request_id
+        self.cause = cause
 
 
 class AdapterError(LoraplexError):

@@ -6,11 +6,14 @@ so code written for vLLM's offline API runs unchanged.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from loraplex.errors import InvalidRequest
 
 _GREEDY_TEMPERATURE = 1e-5  # as vLLM: below this, sampling is greedy
+# Seeds seed 64-bit generators: torch takes [-2^63, 2^64).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -39,16 +42,18 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._check()
+        self.check()
 
-    def _check(self):
+    def check(self) -> None:
+        """Raises InvalidRequest for a value out of range."""
+
         def bad(msg):
             raise InvalidRequest(msg)
 
         if self.n != 1:
             bad(f"n must be 1, got {self.n}")
-        if not self.temperature >= 0:
-            bad(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -63,6 +68,8 @@ class SamplingParams:
                 bad(f"{name} must be >= 0, got {v}")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
+            bad(f"seed must fit in 64 bits ([{SEED_MIN}, {SEED_MAX}]), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -113,9 +120,10 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    # Where the adapter was when the request arrived: "gpu" (in a slot), "host" (in
-    # memory), "disk" (local files) or "remote" (downloaded); the seconds spent reading
-    # it into memory; and its content id (see adapters/manifest.py).
+    # Where the adapter was when the request arrived: "device" (in a slot on the model's
+    # device), "host" (in memory), "disk" (local files) or "remote" (downloaded); the
+    # seconds the request waited for it to be read into memory (0 when it was there);
+    # and its content id (see adapters/manifest.py).
     adapter_source: str | None = None
     adapter_load_time: float | None = None
     adapter_content_id: str | None = None

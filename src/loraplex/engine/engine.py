@@ -7,6 +7,7 @@ strings and produces RequestOutputs.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
-from loraplex.errors import InvalidRequest, LoRADisabled, PromptTooLong
+from loraplex.errors import EngineFailure, InvalidRequest, LoRADisabled, PromptTooLong, RequestFailed
 from loraplex.models.default_model import cache_root
 from loraplex.runner.model_runner import ModelRunner
 from loraplex.runner.step_outputs import LaunchedStep
@@ -34,6 +35,8 @@ from loraplex.types import (
     RequestOutput,
     SamplingParams,
 )
+
+logger = logging.getLogger("loraplex")
 
 # The GIL switch interval while adapter loader threads run (see LLMEngine.__init__). 0.5 ms
 # is the measured best so far (5 ms before); lower values are untested on a GPU: the
@@ -103,7 +106,7 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids, sampling)
+        self.check_request(prompt_token_ids, sampling)
         ticket = None
         if lora_request is not None:
             if self.adapters is None:
@@ -129,15 +132,21 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _check_prompt(self, ids: list[int], sampling: SamplingParams) -> None:
+    def check_request(self, ids: list[int], sampling: SamplingParams) -> None:
+        """Everything about a request that depends on this model: checked before it is
+        queued, so a value no step can run never reaches one (SamplingParams checks the
+        rest when it is built)."""
         max_len = self.config.scheduler.max_model_len
         vocab = self.config.model.vocab_size
+        sampling.check()  # again: a caller may have changed it since it was built
         if not ids:
             raise InvalidRequest("the prompt is empty")
         if len(ids) > max_len:
             raise PromptTooLong(f"prompt has {len(ids)} tokens, max_model_len is {max_len}")
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in sampling.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be integers in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(sampling, name)
             if n is not None and n > self.max_logprobs:
@@ -145,10 +154,13 @@ class LLMEngine:
 
     @staticmethod
     def _note_adapter(req: Request) -> None:
+        """Where its adapter came from, and how long the request waited for it (none if
+        it was in memory when the request arrived)."""
         t = req.adapter
         if t.ready:
             m = req.metrics
-            m.adapter_source, m.adapter_load_time, m.adapter_content_id = t.tier, t.load_time, t.content_id
+            m.adapter_source, m.adapter_content_id = t.tier, t.content_id
+            m.adapter_load_time = 0.0 if t.load_time is None else time.monotonic() - m.arrival_time
 
     def _check_lora(self, lora_request: LoRARequest) -> AdapterManager:
         if self.adapters is None:
@@ -228,7 +240,17 @@ class LLMEngine:
         one's results are read, so the host's bookkeeping (results, detokenization,
         stop strings, the next plan) overlaps the device's work; outputs then trail the
         device by one step.
+
+        A step that raises ends only the requests that caused it, where they can be told
+        apart (see _recover); the others are recomputed and go on.
         """
+        try:
+            return self._step()
+        except Exception as error:
+            logger.exception("engine step failed")
+            return self._recover(error)
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
@@ -270,14 +292,57 @@ class LLMEngine:
         touched = self.scheduler.update(launched.plan, self.runner.collect(launched))
         outputs = []
         for req in touched:
-            live = self._live[req.request_id]
-            self._decode_logprobs(req.prompt_logprobs[live.prompt_logprobs_decoded :])
-            live.prompt_logprobs_decoded = len(req.prompt_logprobs)
-            new_tokens = req.output_token_ids[live.detok.num_tokens :]
-            self._decode_logprobs(req.logprobs[len(req.logprobs) - len(new_tokens) :])
-            for token in new_tokens:
-                self._add_text(req, live.detok.step(token))
+            try:
+                self._detokenize(req)
+            except Exception as e:  # this request's tokens alone: the others go on
+                logger.exception("detokenizing request %s failed", req.request_id)
+                self.scheduler.finish(req, "error")
+                outputs.append(self._output(req, error=RequestFailed(req.request_id, e)))
+                continue
             outputs.append(self._output(req))
+        return outputs
+
+    def _detokenize(self, req: Request) -> None:
+        live = self._live[req.request_id]
+        self._decode_logprobs(req.prompt_logprobs[live.prompt_logprobs_decoded :])
+        live.prompt_logprobs_decoded = len(req.prompt_logprobs)
+        new_tokens = req.output_token_ids[live.detok.num_tokens :]
+        self._decode_logprobs(req.logprobs[len(req.logprobs) - len(new_tokens) :])
+        for token in new_tokens:
+            self._add_text(req, live.detok.step(token))
+
+    def _recover(self, error: Exception) -> list[RequestOutput]:
+        """After a failed step: end the requests that caused it and recompute the rest.
+
+        The culprit is the request a step names (RequestFailed: its own input made the
+        step raise), else any live request that no longer passes the checks of
+        admission. If none can be told apart, every request of the batch ends with the
+        error (waiting requests were not in it and go on). The survivors are preempted:
+        the step in flight is dropped, their pages freed, and they are recomputed from
+        their tokens so far; adapter slots the failed step may not have filled are
+        emptied (pinned adapters are copied in again).
+        """
+        culprits: dict[str, Exception] = {}
+        if isinstance(error, RequestFailed):
+            culprits[error.request_id] = error
+        else:
+            for live in list(self._live.values()):
+                try:
+                    self.check_request(live.req.prompt_token_ids, live.req.sampling)
+                except InvalidRequest as e:
+                    culprits[live.req.request_id] = e
+        if not culprits:
+            failure = EngineFailure(f"engine step failed: {type(error).__name__}: {error}")
+            culprits = {req.request_id: failure for req in self.scheduler.running}
+        outputs = []
+        for request_id, cause in culprits.items():
+            live = self._live.get(request_id)
+            if live is not None and not live.req.finished:
+                self.scheduler.finish(live.req, "error")
+                outputs.append(self._output(live.req, error=cause))
+        self._in_flight = None
+        self.scheduler.recompute_all()
+        self.runner.forget_step_state()
         return outputs
 
     def _add_text(self, req: Request, new_text: str) -> None:

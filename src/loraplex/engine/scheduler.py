@@ -146,7 +146,7 @@ class Scheduler:
                 if must_load:
                     plan.lora_loads[req.lora_slot] = key
                 elif req.metrics.adapter_source == "host":
-                    req.metrics.adapter_source = "gpu"
+                    req.metrics.adapter_source = "device"
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
@@ -197,6 +197,20 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def recompute_all(self) -> None:
+        """After a failed step: every running request is preempted and no token is in
+        flight any more; adapter slots the step may not have filled are emptied, and
+        pinned adapters (whose references are never released) copied in again."""
+        for req in reversed(self.running):
+            self._preempt(req)
+        self.running.clear()
+        for req in self.waiting:
+            req.num_pending = 0
+        for slot in range(self.slots.num_slots):
+            key = self.slots.key_in(slot)
+            if key is not None and not self.slots.forget(key):
+                self._pinned_loads[slot] = key
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req.block_ids)

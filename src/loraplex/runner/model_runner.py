@@ -19,6 +19,7 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.slots import LoRASlotBuffers
 from loraplex.config import EngineConfig
 from loraplex.device import to_device
+from loraplex.errors import RequestFailed
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.models.registry import build_model
@@ -311,6 +312,12 @@ class ModelRunner:
                     self._slot_last_read[chunk.lora_slot] = done
         return out
 
+    def forget_step_state(self) -> None:
+        """After a failed step: no step is in flight, so no token is pending on the
+        device; seeded requests start their generators again when recomputed."""
+        self._last_token_ids, self._last_rows = None, {}
+        self._request_generators.clear()
+
     def _load_slots(self, loads: dict[int, str]) -> None:
         """Copy adapters from pinned host memory into GPU slots on their own stream, so
         the copies overlap the steps running meanwhile; the first step that reads a slot
@@ -362,13 +369,14 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, out: LaunchedStep):
         chunks = [plan.chunks[i] for i in rows]
+        generators, banned, seeds = zip(*(self._row_state(c) for c in chunks))
         sampling_rows = SamplingRows(
             temperature=[c.sampling.temperature for c in chunks],
             top_k=[c.sampling.top_k for c in chunks],
             top_p=[c.sampling.top_p for c in chunks],
-            generators=[self._generator_for(c) for c in chunks],
-            banned=[self._banned_tokens(c) for c in chunks],
-            seeds=[self._draw_seed(c) for c in chunks],
+            generators=list(generators),
+            banned=list(banned),
+            seeds=list(seeds),
         )
         want = [c.sampling.logprobs for c in chunks]
         scored = any(w is not None for w in want)
@@ -400,6 +408,14 @@ class ModelRunner:
             tgt = to_device(targets[a : a + 1024], torch.int64, self.device)
             parts.append(token_logprobs(self.model.compute_logits(hidden[idx]), tgt, max_top))
         out.prompt_lps = concat_logprobs(parts)
+
+    def _row_state(self, chunk: ScheduledChunk) -> tuple:
+        """A sampled row's generator, banned tokens and draw key; what fails here fails
+        on this request's own parameters, so the error names it."""
+        try:
+            return self._generator_for(chunk), self._banned_tokens(chunk), self._draw_seed(chunk)
+        except Exception as e:
+            raise RequestFailed(chunk.request_id, e) from e
 
     def _draw_seed(self, chunk: ScheduledChunk) -> int:
         """The key of this row's draws in the fused sampler: a seeded request's seed mixed
