@@ -83,6 +83,14 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: build_tiny_model(root / arch, arch) for arch in ARCHS}
 
 
+@pytest.fixture(scope="session")
+def chat_model(model_dirs, tmp_path_factory):
+    """The tiny Qwen3 with a chat template (prompt = the messages' words)."""
+    from serving import make_chat_model
+
+    return make_chat_model(model_dirs["qwen3"], tmp_path_factory.mktemp("chat") / "qwen3")
+
+
 # Adapters that differ in rank, targets, scaling rule and per-module patterns.
 ADAPTERS = {
     "all7-r8": dict(r=8, lora_alpha=16, target_modules=[
@@ -190,3 +198,21 @@ def random_prompts(n: int, length_range=(5, 40), seed: int = 0) -> list[list[int
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(*length_range, (n,), generator=gen).tolist()
     return [torch.randint(3, VOCAB, (k,), generator=gen).tolist() for k in lengths]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The abuse suite's count of cases tried and failed (tests/test_abuse.py)."""
+    import sys
+
+    abuse = sys.modules.get("test_abuse")
+    if abuse is None or not abuse.TALLY:
+        return
+    tally = abuse.TALLY
+    kinds = sorted({k.rsplit(" ", 1)[0] for k in tally})
+    tried = sum(tally[f"{k} tried"] for k in kinds)
+    failed = sum(tally[f"{k} failed"] for k in kinds)
+    terminalreporter.section("abuse suite")
+    for k in kinds:
+        if tally[f"{k} failed"]:
+            terminalreporter.write_line(f"  {k}: {tally[f'{k} failed']} of {tally[f'{k} tried']} failed")
+    terminalreporter.write_line(f"abuse suite: {tried} cases tried, {failed} failed")

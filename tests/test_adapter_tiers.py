@@ -73,7 +73,8 @@ def test_hundreds_of_adapters_through_four_slots(llm, tmp_path):
         if lora is None:
             assert m.adapter_content_id is None and m.adapter_source is None
         else:
-            assert m.adapter_content_id.startswith("sha256:") and m.adapter_source in ("gpu", "host", "disk")
+            assert m.adapter_content_id.startswith("sha256:")
+            assert m.adapter_source in ("device", "host", "disk")
             assert m.adapter_source != "disk" or m.adapter_load_time > 0
 
 
@@ -135,13 +136,40 @@ def test_identical_content_shares_one_copy(llm, tmp_path):
     assert slots[0] == slots[1] is not None, "one GPU slot for identical content"
 
 
+def test_files_changed_in_place_are_new_content(llm, tmp_path):
+    """A path names what its files hold now: rewritten in place, they are new content
+    under a new name; the name that loaded the old weights keeps them while they are in
+    host memory, and fails clearly once they must be read again."""
+    from loraplex.errors import AdapterInvalid
+
+    path = _adapter(llm, tmp_path / "a", 2)
+    prompt = random_prompts(1, (6, 7), seed=12)[0]
+    a = LoRARequest("inplace-a", 1200, str(path))
+    before = llm.generate([prompt], SP, a)[0]
+    fresh = _adapter(llm, tmp_path / "next", 2, b_std=0.6)  # the same shapes, other weights
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (path / f).write_bytes((fresh / f).read_bytes())
+    after = llm.generate([prompt], SP, LoRARequest("inplace-b", 1201, str(path)))[0]
+    alone = llm.generate([prompt], SP, LoRARequest("fresh", 1202, str(fresh)))[0]
+    old_id = before.metrics.adapter_content_id
+    assert after.metrics.adapter_content_id == alone.metrics.adapter_content_id != old_id
+    assert torch.equal(_prompt_lps(after, prompt), _prompt_lps(alone, prompt))
+    assert not torch.equal(_prompt_lps(after, prompt), _prompt_lps(before, prompt))
+    again = llm.generate([prompt], SP, a)[0]
+    assert again.metrics.adapter_content_id == old_id, "in host memory: what `a` loaded"
+    llm.engine.adapters.host.forget(old_id)  # evicted: `a` would have to be read again
+    with pytest.raises(AdapterInvalid, match="changed since"):
+        llm.generate([prompt], SP, a)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_registry_versions_and_hot_swap(model_dirs, tmp_path, capsys):
     registry = Registry(str(tmp_path / "registry"))
     llm = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8,
                    lora_registry=str(tmp_path / "registry"))
     v1 = _adapter(llm, tmp_path / "v1", 0)
     v2 = _adapter(llm, tmp_path / "v2", 1)
-    assert registry.publish("support", v1)[0] == "1"
+    assert registry.publish("support", v1, owner=None)[0] == "1"
     with pytest.raises(AdapterNotFound):
         llm.generate([[5, 6, 7]], SP, LoRARequest("support@9", 1))
     long_sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -151,8 +179,8 @@ def test_registry_versions_and_hot_swap(model_dirs, tmp_path, capsys):
     engine.add_request("old", prompt, long_sp, LoRARequest("support", 1))
     while not engine.scheduler.requests["old"].output_token_ids:
         engine.step()
-    version, cid2 = registry.publish("support", v2)  # while "old" is running
-    assert version == "2" and registry.publish("support", v2)[1] == cid2
+    version, cid2 = registry.publish("support", v2, owner=None)  # while "old" is running
+    assert version == "2" and registry.publish("support", v2, owner=None)[1] == cid2
     engine.add_request("new", prompt, long_sp, LoRARequest("support", 1))
     done = _run_engine(engine)
     expect_v2 = llm.generate([prompt], long_sp, LoRARequest("support@2", 1))[0]
@@ -162,10 +190,12 @@ def test_registry_versions_and_hot_swap(model_dirs, tmp_path, capsys):
     assert done["old"].metrics.adapter_content_id == expect_v1.metrics.adapter_content_id
     assert done["new"].metrics.adapter_content_id == cid2
     assert registry.names() == ["support"]
-    main(["registry", str(tmp_path / "registry"), "publish", "other", str(v1)])
+    main(["registry", str(tmp_path / "registry"), "publish", "other", str(v1), "--owner", "acme"])
     main(["registry", str(tmp_path / "registry"), "list"])
     listing = capsys.readouterr().out.splitlines()
-    assert listing[-1] == f"support@2 {cid2} (latest)" and listing[0].startswith("other@1 sha256:")
+    assert listing[-1] == f"support@2 {cid2} (public, latest)"
+    published, listed_other = listing[0], listing[1]  # publish prints the version it wrote
+    assert listed_other == f"{published} (owner acme, latest)" and published.startswith("other@1 sha256:")
     assert len(list((tmp_path / "registry" / "blobs").iterdir())) == 2, "v2 published twice, stored once"
 
 
@@ -188,12 +218,12 @@ def test_finiteness_is_checked_at_publish_not_at_each_load(model_dirs, tmp_path,
     next(t for k, t in weights.items() if k.endswith("lora_A.weight"))[0, 0] = float("inf")
     save_file(weights, bad / "adapter_model.safetensors")
     with pytest.raises(AdapterInvalid, match="NaN or infinite"):
-        registry.publish("bad", bad)
+        registry.publish("bad", bad, owner=None)
     assert registry.names() == [] and not (tmp_path / "registry" / "blobs").exists()
 
-    registry.publish("good", good)
+    registry.publish("good", good, owner=None)
     old = _adapter(llm, tmp_path / "old", 1)
-    _, old_cid = registry.publish("old", old)
+    _, old_cid = registry.publish("old", old, owner=None)
     # As a build that did not check at publish left it: no mark, so loads check it.
     (Path(registry.blob_uri(old_cid)) / peft.FINITE_MARK).unlink()
     checks = []

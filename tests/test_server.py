@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,75 +17,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import DEVICE, make_llm
-from transformers import PreTrainedTokenizerFast
+from conftest import make_llm
+from serving import ACME, ADMIN, GLOBEX, KEYS, client, free_port, idle, running, serve_args
 
 from loraplex import LoRARequest, SamplingParams
-
-ADMIN, ACME, GLOBEX = "sk-admin", "sk-acme", "sk-globex"
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def chat_model(model_dirs, tmp_path_factory):
-    """The tiny Qwen3 with a chat template (prompt = the messages' words)."""
-    import shutil
-
-    d = tmp_path_factory.mktemp("chat") / "qwen3"
-    shutil.copytree(model_dirs["qwen3"], d)
-    tok = PreTrainedTokenizerFast.from_pretrained(d)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(d)
-    return d
-
-
-def serve_args(model_dir, *extra) -> list[str]:
-    return [str(model_dir), "--max-model-len", "96", "--dtype", "float32", "--max-num-seqs", "32",
-            "--max-loras", "4", "--max-lora-rank", "16", "--device", DEVICE, *extra]
 
 
 @pytest.fixture(scope="module")
 def server(chat_model, adapter_dirs, tmp_path_factory):
-
-    from loraplex.server.run import add_arguments, build_server
-
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys.write_text(json.dumps({"tenants": {"acme": [ACME], "globex": [GLOBEX]}, "admins": [ADMIN]}))
+    keys.write_text(json.dumps(KEYS))
     ads = adapter_dirs["qwen3"]
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(serve_args(
+    yield from running(serve_args(
         chat_model, "--api-keys-file", str(keys), "--served-model-name", "tiny",
         "--lora-modules", f"public-ad={ads['all7-r8']}",
         json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
     ))
-    yield from _running(*build_server(args))
-
-
-def _running(srv, app):
-    """Serve `app` with uvicorn on a free loopback port in a thread; yield `srv` with .url."""
-    import uvicorn
-
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    while not uv.started:
-        time.sleep(0.02)
-    srv.url = f"http://127.0.0.1:{port}"
-    yield srv
-    uv.should_exit = True
-    thread.join(10)
-
-
-def client(server, key=ADMIN) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +82,7 @@ def test_adapters_are_applied_and_listed(server, offline, adapter_dirs):
                                           temperature=0)
     assert r.choices[0].text == want.outputs[0].text
     assert r.model_extra["loraplex"]["adapter"] == "public-ad"
-    assert r.model_extra["loraplex"]["adapter_source"] in ("gpu", "host", "disk")
+    assert r.model_extra["loraplex"]["adapter_source"] in ("device", "host", "disk")
     models = {m.id: m for m in client(server, ACME).models.list()}
     assert set(models) == {"tiny", "public-ad", "acme-ad"}
     assert models["acme-ad"].model_extra["parent"] == "tiny"
@@ -189,23 +135,19 @@ def registry_server(chat_model, adapter_dirs, tmp_path_factory):
     """A server with an adapter registry and a pinned adapter."""
 
     from loraplex.adapters.registry import Registry
-    from loraplex.server.run import add_arguments, build_server
 
     root = tmp_path_factory.mktemp("registry")
     registry = Registry(str(root))
     ads = adapter_dirs["qwen3"]
-    registry.publish("support", ads["qv-r4-rslora"])
-    registry.publish("support", ads["all7-r8"])
-    _, broken = registry.publish("broken", ads["mlp-o-r16-patterns"])
+    registry.publish("support", ads["qv-r4-rslora"], owner=None)
+    registry.publish("support", ads["all7-r8"], owner=None)
+    _, broken = registry.publish("broken", ads["mlp-o-r16-patterns"], owner=None)
     blob = root / "blobs" / broken.replace(":", "-") / "adapter_model.safetensors"
     blob.write_bytes(blob.read_bytes()[:100])  # truncated after publishing
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(serve_args(
+    yield from running(serve_args(
         chat_model, "--served-model-name", "tiny", "--lora-registry", str(root),
         "--lora-modules", f"pinned-ad={ads['all7-r8']}", "--pinned-loras", "pinned-ad",
         "--lora-cache-dir", str(tmp_path_factory.mktemp("lora-cache")), "--lora-load-timeout", "3"))
-    yield from _running(*build_server(args))
 
 
 def test_registry_adapters_pinning_and_load_failures(registry_server, offline, adapter_dirs):
@@ -218,7 +160,7 @@ def test_registry_adapters_pinning_and_load_failures(registry_server, offline, a
                                  extra_body={"ignore_eos": True})
         assert r.choices[0].text == want.outputs[0].text, model
         assert r.model_extra["loraplex"]["adapter_content_id"] == want.metrics.adapter_content_id
-    assert r.model_extra["loraplex"]["adapter_source"] == "gpu", "pinned: always in a slot"
+    assert r.model_extra["loraplex"]["adapter_source"] == "device", "pinned: always in a slot"
     assert {"support", "broken", "pinned-ad"} <= {m.id for m in c.models.list()}
     slots = registry_server.engine.engine.scheduler.slots
     pinned = slots.slot_of(r.model_extra["loraplex"]["adapter_content_id"])
@@ -271,15 +213,6 @@ def test_bad_input_gets_a_clear_error(server, case):
     assert client(server).completions.create(model="tiny", prompt="t5", max_tokens=2).choices
 
 
-def _idle(server, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.engine.num_in_flight == 0 and not server.engine.engine.has_unfinished_requests():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_client_disconnect_frees_the_sequence(server):
     headers = {"Authorization": f"Bearer {ADMIN}"}
     body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 90, "ignore_eos": True,
@@ -288,11 +221,11 @@ def test_client_disconnect_frees_the_sequence(server):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 2:
                 break  # leave mid-stream
-    assert _idle(server), "a disconnected stream must free its sequence"
+    assert idle(server), "a disconnected stream must free its sequence"
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client giving up
         httpx.post(server.url + "/v1/completions", headers=headers, timeout=0.05,
                    json={**body, "stream": False, "max_tokens": 90})
-    assert _idle(server)
+    assert idle(server)
     blocks = server.engine.engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
 
@@ -326,18 +259,19 @@ def test_hundreds_of_concurrent_streams(server):
     # 8 tokens each (BOS/EOS ids among them decode to no text).
     assert all(n == 8 and 0 < len(text.split()) <= 8 for text, n in answers)
     assert len(errors) == 0
-    assert _idle(server)
+    assert idle(server)
 
 
 def test_metrics_are_prometheus(server):
     client(server).completions.create(model="public-ad", prompt="t5", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client(server).completions.create(model="tiny", prompt="t5", max_tokens=-1)
-    text = httpx.get(server.url + "/metrics").text
+    assert httpx.get(server.url + "/metrics").status_code == 401, "keys configured: metrics need one"
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {GLOBEX}"}).text
     for name in ("loraplex_requests_total", "loraplex_time_to_first_token_seconds_bucket",
                  "loraplex_time_per_output_token_seconds_bucket",
                  "loraplex_e2e_request_latency_seconds_count", "loraplex_num_requests_waiting",
-                 'loraplex_adapter_requests_total{tier=', 'loraplex_adapter_loads_total{tier="gpu"}',
+                 'loraplex_adapter_requests_total{tier=', 'loraplex_adapter_loads_total{tier="device"}',
                  'loraplex_adapter_evictions_total{tier="host"}', "loraplex_adapter_load_seconds_count"):
         assert name in text, name
     assert 'loraplex_requests_total{endpoint="completions",outcome="rejected"}' in text
@@ -360,12 +294,16 @@ def test_bench_over_http_reports_the_in_process_metrics(server, chat_model, tmp_
     assert http["tpot_ms"]["median"] > 0 and local["tpot_ms"]["median"] > 0
 
 
-def test_shutdown_ends_every_request(chat_model, tmp_path):
+@pytest.mark.parametrize("signals, drain", [((0.5,), 1), ((0.5, 1.5), 30), ((0.5, 1.5, 1.6, 1.7), 30)],
+                         ids=["once", "twice", "four-times"])
+def test_shutdown_ends_every_request(chat_model, signals, drain):
     """SIGTERM: every stream ends with its answer or an explicit error event, and the
-    process exits (the error path itself: test_drain_ends_unfinished_requests)."""
-    port = _free_port()
+    process exits; a second signal ends the drain at once, and however many come, no
+    response is cut without its error event and [DONE] (the error path itself:
+    test_drain_ends_unfinished_requests)."""
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = serve_args(chat_model, "--port", str(port), "--shutdown-timeout", "1",
+    args = serve_args(chat_model, "--port", str(port), "--shutdown-timeout", str(drain),
                       "--served-model-name", "tiny")
     args[args.index("--max-model-len") + 1] = "512"  # room for a request longer than the drain
     proc = subprocess.Popen(
@@ -385,31 +323,36 @@ def test_shutdown_ends_every_request(chat_model, tmp_path):
             body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": max_tokens,
                     "ignore_eos": True, "stream": True}
             lines = []
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line:
                         lines.append(line)
                     time.sleep(delay)  # a slow reader keeps the request alive
             results[name] = lines
 
-        threads = [threading.Thread(target=stream, args=("short", 3, 0)),
-                   threading.Thread(target=stream, args=("long", 500, 0.01))]
+        threads = [threading.Thread(target=stream, args=("short", 3, 0))] + [
+            threading.Thread(target=stream, args=(f"long{i}", 500, 0.01)) for i in range(12)]
         for t in threads:
             t.start()
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        for at in signals:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            proc.send_signal(signal.SIGTERM)
         for t in threads:
-            t.join(30)
+            t.join(60)
         # uvicorn re-raises the signal once it has shut down gracefully.
         assert proc.wait(30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - start < 20, "a second signal does not wait out the drain"
     finally:
         proc.kill()
-    short, long_ = results["short"], results["long"]
+    short = results.pop("short")
     assert short[-1] == "data: [DONE]" and json.loads(short[-2][6:])["choices"][0]["finish_reason"]
-    assert long_[-1] == "data: [DONE]"
-    last = json.loads(long_[-2][6:])
-    finished = "choices" in last and last["choices"][0]["finish_reason"] == "length"
-    assert finished or ("shut down" in last["error"]["message"] and last["error"]["code"] == 503)
+    assert len(results) == 12
+    for lines in results.values():
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][6:])
+        finished = "choices" in last and last["choices"][0]["finish_reason"] == "length"
+        assert finished or ("shut down" in last["error"]["message"] and last["error"]["code"] == 503)
 
 
 def test_drain_ends_unfinished_requests(chat_model):

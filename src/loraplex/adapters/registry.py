@@ -2,13 +2,17 @@
 
 Layout (a local directory or any fsspec URL):
 
-    ROOT/index/NAME.json      {"versions": {"1": "sha256:...", ...}, "latest": "1"}
+    ROOT/index/NAME.json      {"versions": {"1": "sha256:...", ...}, "latest": "1",
+                               "owner": "acme"}   (null: public)
     ROOT/blobs/sha256-HEX/    adapter_config.json, adapter_model.safetensors
 
 `name@version` resolves to a content id; `name` alone to its latest version, read at
 each resolve, so publishing a new version switches new requests at once (requests
 already running keep the content they resolved). Identical content published twice is
-stored once.
+stored once. Every name has an owner, a tenant or public, given at its first publish
+and kept by later versions; a server shows an entry only to its owner's tenant (every
+tenant if public) and admins. An index written before owners existed has no "owner"
+field: admins only, until a publish names one.
 """
 
 from __future__ import annotations
@@ -17,12 +21,27 @@ import json
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.errors import AdapterInvalid, AdapterNotFound
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    content_id: str
+    owner: str | None  # the tenant that may use it; None: every tenant
+    admins_only: bool = False  # published before owners existed
+
+    def visible_to(self, tenant: str, admin: bool) -> bool:
+        return admin or (not self.admins_only and self.owner in (None, tenant))
+
+
+def _owner_name(owner: str | None) -> str:
+    return "every tenant (public)" if owner is None else f"tenant {owner!r}"
 
 
 class Registry:
@@ -33,6 +52,9 @@ class Registry:
         self.fs, self._path = fsspec.core.url_to_fs(self.root)
         self.remote = "file" not in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
                                      else (self.fs.protocol,))
+
+    def exists(self) -> bool:
+        return self.fs.exists(self._path)
 
     def blob_uri(self, content_id: str) -> str:
         blob = f"blobs/{content_id.replace(':', '-')}"
@@ -54,25 +76,36 @@ class Registry:
             return []
         return sorted(Path(f).stem for f in files if f.endswith(".json"))
 
-    def resolve(self, name: str, version: str | None = None) -> str:
+    def lookup(self, name: str, version: str | None = None) -> RegistryEntry:
+        """`name` (its latest version) or `name@version`; raises AdapterNotFound."""
         index = self.index(name) if _NAME.match(name) else {"versions": {}}
         version = version or index.get("latest")
         if version not in index["versions"]:
             what = f"{name}@{version}" if version else name
             raise AdapterNotFound(name, f"{what} is not in the registry at {self.root}")
-        return index["versions"][version]
+        return RegistryEntry(index["versions"][version], index.get("owner"), "owner" not in index)
+
+    def resolve(self, name: str, version: str | None = None) -> str:
+        """The content id of `name` or `name@version`."""
+        return self.lookup(name, version).content_id
 
     def publish(self, name: str, adapter_dir: str | Path, version: str | None = None,
-                link: bool = False) -> tuple[str, str]:
+                link: bool = False, *, owner: str | None) -> tuple[str, str]:
         """Add `adapter_dir` as a new version of `name` (the next integer unless given)
         and make it the latest; the same content as the latest is not a new version.
-        With `link`, a local registry hard-links the files instead of copying them (the
-        source must then never change). Returns (version, content id)."""
+        `owner` is the tenant that may use it, None for every tenant; a name keeps the
+        owner of its first publish (an index without one takes it). With `link`, a
+        local registry hard-links the files instead of copying them (the source must
+        then never change). Returns (version, content id)."""
         from loraplex.adapters.manifest import content_id
         from loraplex.adapters.peft import FINITE_MARK, all_finite, read_adapter_dir
 
         if not _NAME.match(name):
             raise ValueError(f"adapter names are letters, digits, '.', '_' and '-': {name!r}")
+        index = self.index(name)
+        if "owner" in index and index["owner"] != owner:
+            raise ValueError(f"{name!r} belongs to {_owner_name(index['owner'])}, "
+                             f"not {_owner_name(owner)}")
         config, tensors = read_adapter_dir(name, adapter_dir)
         # Checked once, here (the blob then holds FINITE_MARK): loads of a published blob
         # skip this pass over its bytes, as they skip its content id.
@@ -88,9 +121,11 @@ class Registry:
                 else:
                     self.fs.put_file(str(Path(adapter_dir) / f), f"{blob}/{f}")
         self.fs.pipe_file(f"{blob}/{FINITE_MARK}", b"")
-        index = self.index(name)
         if version is None and index["versions"].get(index["latest"]) == cid:
+            if "owner" not in index:  # an index from before owners: it takes this one
+                self._write_index(name, {**index, "owner": owner})
             return index["latest"], cid  # republishing the latest content changes nothing
+        index["owner"] = owner
         if version is None:
             version = str(1 + max((int(v) for v in index["versions"] if v.isdigit()), default=0))
         index["versions"][version] = cid

@@ -2,10 +2,10 @@
 
 Only the engine thread touches the engine. Callers send it commands (add, abort, call)
 through a queue; it steps whenever work is pending and hands each RequestOutput to the
-caller's asyncio queue with `call_soon_threadsafe`. A caller that stops listening (a
+caller's RequestStream with `call_soon_threadsafe`. A caller that stops listening (a
 client that disconnected) aborts its request, which frees its pages at the next step.
 Shutdown drains: new requests are refused, running ones get `drain_timeout` seconds to
-finish, then end with an explicit EngineShutdown error.
+finish (or none, once hurried), then end with an explicit EngineShutdown error.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from loraplex.engine.engine import LLMEngine
-from loraplex.errors import LoraplexError
+from loraplex.errors import EngineFailure, LoraplexError
 from loraplex.types import LoRARequest, RequestOutput, SamplingParams
 
 logger = logging.getLogger("loraplex")
@@ -29,20 +29,27 @@ class EngineShutdown(LoraplexError):
     """The server is shutting down: the request was refused or cut short."""
 
 
-class EngineFailure(LoraplexError):
-    """The engine raised while stepping; the requests in it were ended."""
-
-
 class RequestStream:
     """One request's outputs, in order; close() (or a finished output) ends it, and
-    closing it before it finishes aborts the request."""
+    closing it before it finishes aborts the request.
 
-    def __init__(self, engine: AsyncEngine, request_id: str):
+    Outputs are cumulative (text, tokens and logprobs so far), so a reader that falls
+    behind skips to the newest: at most one output waits here however slowly it reads
+    (a client that stops reading holds one output, not one per step). `on_end` hears
+    once how the stream ended: "ok", "error" or "aborted", with the newest output."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str,
+                 on_end: Callable[[str, RequestOutput | None], None] | None = None):
         self.engine, self.request_id = engine, request_id
         self.loop = asyncio.get_running_loop()  # the engine thread delivers into it
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.on_end = on_end
+        self.last: RequestOutput | None = None  # the newest output read
+        self._latest: RequestOutput | None = None  # delivered, not read yet
+        self._error: Exception | None = None
+        self._ready = asyncio.Event()
         self.finished = False
         self.closed = False
+        self._ended = False
 
     def __aiter__(self):
         return self
@@ -51,15 +58,20 @@ class RequestStream:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
-            item = await self.queue.get()
+            await self._ready.wait()
         except BaseException:  # cancelled: the caller went away
             self.close()
             raise
-        if isinstance(item, Exception):
+        self._ready.clear()
+        if self._error is not None:
+            self._end("error", self._latest or self.last)
             self.close()
-            raise item
+            raise self._error
+        item, self._latest = self._latest, None
+        self.last = item
         if item.finished:
             self.finished = True
+            self._end("ok", item)
             self.close()
         return item
 
@@ -68,8 +80,23 @@ class RequestStream:
             return
         self.closed = True
         self.engine._streams.pop(self.request_id, None)
-        if not self.finished:
-            self.engine._commands.put(("abort", self.request_id))
+        if not self.finished and not self._ended:
+            self.engine._commands.put(("abort", self))
+
+    def _put(self, item: RequestOutput | Exception) -> None:
+        """On the event loop: the engine thread's newest output, or the error that ended
+        the request."""
+        if isinstance(item, Exception):
+            self._error = item
+        else:
+            self._latest = item
+        self._ready.set()
+
+    def _end(self, outcome: str, out: RequestOutput | None) -> None:
+        if not self._ended:
+            self._ended = True
+            if self.on_end is not None:
+                self.on_end(outcome, out)
 
 
 class AsyncEngine:
@@ -78,6 +105,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._accepting = True
+        self._hurry = False
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -95,14 +123,16 @@ class AsyncEngine:
         sampling: SamplingParams,
         lora_request: LoRARequest | None = None,
         prompt: str | None = None,
+        on_end: Callable[[str, RequestOutput | None], None] | None = None,
     ) -> RequestStream:
         """Queue a request; iterate the returned stream for its (cumulative) outputs.
 
         Raises the engine's typed errors (InvalidRequest, AdapterError, ...) here, so a
-        server can answer with a status code before it starts streaming."""
+        server can answer with a status code before it starts streaming. `on_end`: see
+        RequestStream."""
         if not self._accepting:
             raise EngineShutdown("the server is shutting down")
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, on_end)
         self._streams[request_id] = stream
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids, sampling,
@@ -124,7 +154,7 @@ class AsyncEngine:
             return
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         if self._streams:
             logger.info("shutdown: ending %d unfinished requests", len(self._streams))
@@ -133,6 +163,11 @@ class AsyncEngine:
         self._stopped = True
         self._commands.put(("wake",))
         await asyncio.to_thread(self._thread.join, 10)
+
+    def hurry(self) -> None:
+        """End a drain now (a second signal): unfinished requests get their error at once."""
+        self._accepting = False
+        self._hurry = True
 
     # -- engine thread ------------------------------------------------------------------
 
@@ -160,10 +195,13 @@ class AsyncEngine:
     def _run(self, command) -> None:
         kind = command[0]
         if kind == "abort":
+            stream = command[1]
+            out = None
             try:
-                self.engine.abort_request(command[1])
+                out = self.engine.abort_request(stream.request_id)
             except Exception:
-                logger.exception("abort of %s failed", command[1])
+                logger.exception("abort of %s failed", stream.request_id)
+            stream.loop.call_soon_threadsafe(stream._end, "aborted", out or stream._latest or stream.last)
         elif kind == "call":
             _, fn, future = command
             try:
@@ -176,7 +214,7 @@ class AsyncEngine:
             item = item.error  # e.g. its adapter failed to load: the stream raises it
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream._put, item)
 
     def _fail_all(self, error: Exception) -> Callable[[LLMEngine], None]:
         def fail(engine: LLMEngine) -> None:

@@ -1,28 +1,39 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models,
 vLLM's adapter endpoints, health and Prometheus metrics.
 
-Every response carries a receipt (`loraplex` in the body; for streams, in the final usage
+Every response carries a receipt (`loraplex` in the body; for streams, on the last
 chunk): which adapter served the request, where that adapter was when the request
-arrived, and the request's queue, first-token and total times and token counts.
+arrived, and the request's queue, first-token and total times and token counts. Every
+error, from a bad key to an unknown route or a crash, is a JSON body in OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
-from loraplex.engine.async_engine import AsyncEngine, EngineFailure, EngineShutdown
-from loraplex.errors import AdapterError, AdapterUnavailable, InvalidRequest, LoraplexError
+from loraplex.engine.async_engine import AsyncEngine, EngineShutdown
+from loraplex.errors import (
+    AdapterError,
+    AdapterUnavailable,
+    EngineFailure,
+    InvalidRequest,
+    LoraplexError,
+    PromptTooLong,
+    RequestFailed,
+)
 from loraplex.server.auth import Auth, Forbidden, ModelNotFound, ServedModels, Tenant, Unauthorized
 from loraplex.server.metrics import Metrics
+from loraplex.server.middleware import GuardMiddleware
 from loraplex.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,8 +41,11 @@ from loraplex.server.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
 )
-from loraplex.server.responses import ChoiceState, chat_logprobs, completion_logprobs, receipt, usage
+from loraplex.server.responses import ChoiceState, chat_logprobs, completion_logprobs
+from loraplex.server.streaming import JSON, StreamInfo, event_stream, until_done_or_disconnect
 from loraplex.types import LoRARequest, RequestOutput
+
+logger = logging.getLogger("loraplex")
 
 _STATUS = [  # most specific first
     (Unauthorized, 401, "authentication_error"),
@@ -39,6 +53,7 @@ _STATUS = [  # most specific first
     (ModelNotFound, 404, "not_found_error"),
     (EngineShutdown, 503, "service_unavailable"),
     (EngineFailure, 500, "internal_error"),
+    (RequestFailed, 500, "internal_error"),
     (AdapterUnavailable, 503, "service_unavailable"),
     (InvalidRequest, 400, "invalid_request_error"),
     (AdapterError, 400, "invalid_request_error"),
@@ -46,95 +61,96 @@ _STATUS = [  # most specific first
 ]
 
 
-def _status_of(error: Exception) -> tuple[int, str]:
+def status_of(error: Exception) -> tuple[int, str]:
     return next(((c, t) for cls, c, t in _STATUS if isinstance(error, cls)), (500, "internal_error"))
 
 
-def _error_response(error: Exception) -> JSONResponse:
-    code, kind = _status_of(error)
-    return JSONResponse(error_body(str(error), kind, code), status_code=code)
+def _error_response(error: Exception) -> JSON:
+    code, kind = status_of(error)
+    return JSON(error_body(str(error), kind, code, getattr(error, "param", None)), status_code=code)
 
 
 class Server:
     """What the routes share: the engine, tokenizer, auth, served models, metrics."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, auth: Auth, served: ServedModels,
-                 max_model_len: int):
+                 max_model_len: int, stream_write_timeout: float = 60.0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.auth = auth
         self.served = served
         self.max_model_len = max_model_len
+        self.stream_write_timeout = stream_write_timeout
         self.metrics = Metrics(engine.engine.stats, lambda: engine.num_in_flight)
+        # A text longer than this cannot fit max_model_len tokens (no token spells more
+        # characters than the longest in the vocabulary): refused before tokenizing.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = max_model_len * max(longest, 1)
+        # Tokenizing a long text takes seconds: off the event loop, one at a time (a
+        # fast tokenizer's state is not meant for concurrent calls).
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="loraplex-tokenize")
+        self._loading: set[str] = set()  # adapter names being loaded
 
     # -- request preparation ------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return None, list(prompt)
+    async def tokenize(self, prompt: str | list[int], special_tokens: bool = True
+                       ) -> tuple[str | None, list[int]]:
+        if not isinstance(prompt, str):
+            return None, list(prompt)
+        if len(prompt) > self.max_prompt_chars:
+            raise PromptTooLong(f"the prompt has {len(prompt)} characters, more than "
+                                f"{self.max_model_len} tokens (max_model_len) can hold")
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizing, lambda: self.tokenizer.encode(prompt, add_special_tokens=special_tokens))
+        return prompt, ids
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_dict() for m in body.messages]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template writes the special tokens (BOS) itself.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.tokenize(text, special_tokens=False)  # the template wrote BOS itself
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         room = self.max_model_len - prompt_len
         if room < 1:
-            raise InvalidRequest(
+            raise PromptTooLong(
                 f"This model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {prompt_len}, leaving no room to generate."
             )
         if requested is None:
             return room
         if requested < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {requested}")
+            raise InvalidRequest(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
         if requested > room:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                f"{requested} for the completion)."
+                f"{requested} for the completion).", param="max_tokens"
             )
         return requested
 
-    async def submit_all(self, base_id: str, prompts, body, lora: LoRARequest | None, logprobs):
+    async def submit_all(self, endpoint: str, base_id: str, prompts, body, lora: LoRARequest | None,
+                         logprobs):
         """Submit every prompt; if one fails, abort those already queued and re-raise."""
         streams = []
+        on_end = lambda outcome, out: self.metrics.record(endpoint, outcome, out)  # noqa: E731
         try:
             for i, (text, ids) in enumerate(prompts):
                 sampling = body.sampling_params(self.max_tokens(body.max_tokens, len(ids)), logprobs)
-                streams.append(await self.engine.submit(f"{base_id}-{i}", ids, sampling, lora, text))
+                streams.append(await self.engine.submit(f"{base_id}-{i}", ids, sampling, lora, text,
+                                                        on_end=on_end))
         except BaseException:
             for s in streams:
                 s.close()
             raise
         return streams
 
-    def finish(self, endpoint: str, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            reason = out.outputs[0].finish_reason
-            self.metrics.requests.labels(endpoint, "aborted" if reason == "abort" else "ok").inc()
-            self.metrics.observe(out)
-
-
-async def _until_done_or_disconnect(request: Request, coro):
-    """Await coro, cancelling it (and so aborting its requests) if the client leaves."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.2)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise asyncio.CancelledError("client disconnected")
-    finally:
-        if not task.done():
-            task.cancel()
+    async def resolve(self, name: str, tenant: Tenant) -> LoRARequest | None:
+        """The adapter a request's `model` names (a registry is read off the loop)."""
+        if self.served.registry is None:
+            return self.served.resolve(name, tenant)
+        return await asyncio.to_thread(self.served.resolve, name, tenant)
 
 
 async def _last(stream) -> RequestOutput:
@@ -147,19 +163,25 @@ async def _last(stream) -> RequestOutput:
     return last
 
 
-def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
+def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool = False,
+              max_body_bytes: int = 16 * 2**20) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_):
         yield
         await server.engine.shutdown(drain_timeout)  # no-op if a signal already drained
 
-    app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan, default_response_class=JSON)
     app.state.server = server
+    public = frozenset({"/health", *(["/metrics"] if public_metrics else [])})
+    app.add_middleware(GuardMiddleware, auth=server.auth, public_paths=public,
+                       max_body_bytes=max_body_bytes)
 
     def rejected(request: Request) -> None:
+        """Count a request refused before it was queued (a queued one is counted when it
+        ends: RequestStream's on_end)."""
         endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(
             request.url.path)
-        if endpoint is not None:
+        if endpoint is not None and not getattr(request.state, "queued", False):
             server.metrics.requests.labels(endpoint, "rejected").inc()
 
     @app.exception_handler(RequestValidationError)
@@ -167,17 +189,38 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
         rejected(request)
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
-        return JSONResponse(error_body(message or "invalid request body", param=where or None),
-                            status_code=400)
+        if first.get("type") == "extra_forbidden":
+            message = f"{where} is not a field this server knows (unknown fields are refused)"
+        elif first.get("type") == "json_invalid":
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
+        else:
+            message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
+        return JSON(error_body(message or "invalid request body", param=where or None), status_code=400)
 
     @app.exception_handler(LoraplexError)
     async def _typed(request: Request, exc: LoraplexError):
         rejected(request)
         return _error_response(exc)
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        # Unknown routes, wrong methods, bodies FastAPI cannot parse (invalid UTF-8,
+        # nesting past the parser's depth, integers of thousands of digits).
+        rejected(request)
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code,
+                                                                          "invalid_request_error")
+        message = "There was an error parsing the body" if exc.detail is None else str(exc.detail)
+        return JSON(error_body(message, kind, exc.status_code), status_code=exc.status_code,
+                    headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSON(error_body(f"internal error: {type(exc).__name__}", "internal_error", 500),
+                    status_code=500)
+
     def tenant_of(request: Request) -> Tenant:
-        return server.auth.authenticate(request.headers.get("authorization"))
+        return request.state.tenant  # GuardMiddleware's
 
     @app.get("/health")
     async def health():
@@ -192,26 +235,30 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
         tenant = tenant_of(request)
         base = server.served.base_names[0]
         data = []
-        for name, adapter in server.served.listing(tenant):
-            entry = {"id": name, "object": "model", "created": 0, "owned_by": "loraplex",
-                     "root": adapter.lora.lora_path if adapter else name,
-                     "parent": base if adapter else None}
-            data.append(entry)
+        for name, adapter in await asyncio.to_thread(server.served.listing, tenant):
+            # Tenants never see the server's paths: an adapter's root is its name.
+            root = adapter.lora.lora_path if adapter and tenant.admin else name
+            data.append({"id": name, "object": "model", "created": 0, "owned_by": "loraplex",
+                         "root": root, "parent": base if adapter else None})
         return {"object": "list", "data": data}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request):
         if not tenant_of(request).admin:
             raise Forbidden("only an admin key may load adapters")
-        if body.lora_name in server.served.adapters or body.lora_name in server.served.base_names:
-            raise InvalidRequest(f"an adapter named {body.lora_name!r} is already loaded")
-        adapter = server.served.new_adapter(body.lora_name, body.lora_path, body.tenant)
-        # Read and validated on the loader threads: the engine keeps stepping meanwhile.
-        loading = await server.engine.call(lambda e: e.prefetch_adapter(adapter.lora))
-        await asyncio.wrap_future(loading)
-        server.served.adapters[body.lora_name] = adapter
-        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
-                        media_type="text/plain")
+        name = body.lora_name
+        if name in server.served.adapters or name in server.served.base_names or name in server._loading:
+            raise InvalidRequest(f"an adapter named {name!r} is already loaded", param="lora_name")
+        server._loading.add(name)  # concurrent loads of one name: the first wins
+        try:
+            adapter = server.served.new_adapter(name, body.lora_path, body.tenant)
+            # Read and validated on the loader threads: the engine keeps stepping meanwhile.
+            loading = await server.engine.call(lambda e: e.prefetch_adapter(adapter.lora))
+            await asyncio.wrap_future(loading)
+            server.served.adapters[name] = adapter
+        finally:
+            server._loading.discard(name)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request):
@@ -226,15 +273,13 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        tenant = tenant_of(request)
-        lora = server.served.resolve(body.model, tenant)
-        if body.suffix:
-            raise InvalidRequest("suffix is not supported")
-        prompts = [server.tokenize(p) for p in body.prompts()]
+        lora = await server.resolve(body.model, tenant_of(request))
+        prompts = [await server.tokenize(p) for p in body.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await server.submit_all(request_id, prompts, body, lora, body.logprobs)
-        info = _StreamInfo("completions", request_id, int(time.time()), body.model,
-                           "text_completion", lora, body.include_usage)
+        streams = await server.submit_all("completions", request_id, prompts, body, lora, body.logprobs)
+        request.state.queued = True
+        info = StreamInfo(request_id, int(time.time()), body.model, "text_completion", lora,
+                          body.include_usage)
         k = body.logprobs
 
         def choice(i: int, c, text: str, first_token: int, first: bool, finished: bool) -> dict:
@@ -246,25 +291,25 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
 
         if body.stream:
             states = [ChoiceState(i, body.stop, k) for i in range(len(streams))]
-            return await _event_stream(request, server, info, streams, states, choice)
-        outs = await _until_done_or_disconnect(request, asyncio.gather(*(_last(s) for s in streams)))
-        server.finish(info.endpoint, outs)
+            return await event_stream(request, info, streams, states, choice, status_of,
+                                      server.stream_write_timeout)
+        outs = await until_done_or_disconnect(request, asyncio.gather(*(_last(s) for s in streams)))
         choices = [choice(i, o.outputs[0], o.outputs[0].text, 0, True, True) for i, o in enumerate(outs)]
         return info.body(choices, outs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        tenant = tenant_of(request)
-        lora = server.served.resolve(body.model, tenant)
+        lora = await server.resolve(body.model, tenant_of(request))
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        prompts = [server.chat_prompt(body)]
+        prompts = [await server.chat_prompt(body)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         k = body.num_logprobs()
-        streams = await server.submit_all(request_id, prompts, body, lora, k)
-        info = _StreamInfo("chat", request_id, int(time.time()), body.model,
-                           "chat.completion.chunk" if body.stream else "chat.completion", lora,
-                           body.include_usage)
+        streams = await server.submit_all("chat", request_id, prompts, body, lora, k)
+        request.state.queued = True
+        info = StreamInfo(request_id, int(time.time()), body.model,
+                          "chat.completion.chunk" if body.stream else "chat.completion", lora,
+                          body.include_usage)
 
         def choice(i: int, c, text: str, first_token: int, first: bool, finished: bool) -> dict:
             message = {"role": "assistant", "content": text} if first else {"content": text}
@@ -274,116 +319,9 @@ def build_app(server: Server, drain_timeout: float = 30.0) -> FastAPI:
                     "stop_reason": c.stop_reason if finished else None}
 
         if body.stream:
-            return await _event_stream(request, server, info, streams,
-                                       [ChoiceState(0, body.stop, k)], choice)
-        out = await _until_done_or_disconnect(request, _last(streams[0]))
-        server.finish(info.endpoint, [out])
+            return await event_stream(request, info, streams, [ChoiceState(0, body.stop, k)], choice,
+                                      status_of, server.stream_write_timeout)
+        out = await until_done_or_disconnect(request, _last(streams[0]))
         return info.body([choice(0, out.outputs[0], out.outputs[0].text, 0, True, True)], [out])
 
     return app
-
-
-@dataclass
-class _StreamInfo:
-    """What every chunk or body of one response repeats."""
-
-    endpoint: str
-    request_id: str
-    created: int
-    model: str
-    object: str
-    lora: LoRARequest | None
-    include_usage: bool
-
-    def body(self, choices: list[dict], outs: list[RequestOutput]) -> dict:
-        return {"id": self.request_id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices, "usage": usage(outs),
-                "loraplex": receipt(self.request_id, self.lora, outs)}
-
-    def chunk(self, choices: list[dict]) -> dict:
-        return {"id": self.request_id, "object": self.object, "created": self.created,
-                "model": self.model, "choices": choices}
-
-
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-async def _merged(streams):
-    """Yield (choice index, output) from several request streams as outputs arrive."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out, None))
-        except Exception as e:
-            await queue.put((i, None, e))
-        await queue.put((i, None, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        live = len(streams)
-        while live:
-            i, out, error = await queue.get()
-            if error is not None:
-                raise error
-            if out is None:
-                live -= 1
-            else:
-                yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _event_stream(request: Request, server: Server, info: _StreamInfo, streams, states,
-                        choice) -> StreamingResponse:
-    """Server-sent events: a chunk per new text, then usage + receipt, then [DONE].
-
-    The first output is awaited before the response starts, so an error before it (an
-    adapter that failed to load) gets its own HTTP status; an error after the first
-    chunk is reported as an error event before [DONE]."""
-    merged = _merged(streams)
-    try:
-        first = await _until_done_or_disconnect(request, anext(merged, None))
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
-
-    async def outputs():
-        if first is not None:
-            yield first
-            async for item in merged:
-                yield item
-
-    async def events():
-        finals = []
-        try:
-            async for i, out in outputs():
-                delta = states[i].advance(out)
-                if delta is not None:
-                    c = out.outputs[0]
-                    yield _sse(info.chunk([choice(i, c, delta.text, delta.first_token,
-                                                  delta.first, out.finished)]))
-                if out.finished:
-                    finals.append(out)
-            server.finish(info.endpoint, finals)
-            if info.include_usage:
-                yield _sse({**info.chunk([]), "usage": usage(finals),
-                            "loraplex": receipt(info.request_id, info.lora, finals)})
-        except LoraplexError as e:
-            server.metrics.requests.labels(info.endpoint, "error").inc()
-            code, kind = _status_of(e)
-            yield _sse(error_body(str(e), kind, code))
-        finally:
-            for s in streams:
-                s.close()
-        yield _sse("[DONE]")
-
-    return StreamingResponse(events(), media_type="text/event-stream")

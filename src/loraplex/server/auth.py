@@ -5,16 +5,19 @@ A keys file maps tenants to their keys and lists admin keys:
     {"tenants": {"acme": ["sk-acme-1"], "globex": ["sk-globex"]}, "admins": ["sk-root"]}
 
 `--api-key K` alone means one admin key. With neither, the server is open: every caller
-is an anonymous admin (local development). An adapter belongs to one tenant or is public
-(owner None); a tenant sees and uses its own and the public ones, and an adapter it may
-not see is reported exactly like one that does not exist. Adapters in a registry
-(--lora-registry) are public and addressed as `name` (latest version) or `name@version`.
+is an anonymous admin (local development). Keys are checked before a request's body is
+read (server/middleware.py). An adapter belongs to one tenant or is public (owner None);
+a tenant sees and uses its own and the public ones, and an adapter it may not see is
+reported exactly like one that does not exist, after the same work. Adapters in a
+registry (--lora-registry) are addressed as `name` (latest version) or `name@version`
+and carry the owner they were published with; an entry published before owners existed
+is visible to admins only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +51,13 @@ ANONYMOUS = Tenant("anonymous", admin=True)
 
 class Auth:
     def __init__(self, keys: dict[str, Tenant] | None):
-        self.keys = keys  # None: open server
+        # By the key's SHA-256: a lookup that takes any bytes and reveals nothing of a
+        # key's prefix through its timing. None: an open server.
+        self._by_digest = None if keys is None else {_digest(k.encode()): t for k, t in keys.items()}
+
+    @property
+    def open(self) -> bool:
+        return self._by_digest is None
 
     @classmethod
     def from_args(cls, api_key: str | None, keys_file: str | None) -> Auth:
@@ -66,16 +75,22 @@ class Auth:
                 keys[key] = Tenant("admin", admin=True)
         return cls(keys)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        if self.keys is None:
+    def authenticate(self, authorization: bytes | None) -> Tenant:
+        """The tenant of an Authorization header's raw bytes (any bytes: a header is not
+        always ASCII). Raises Unauthorized."""
+        if self._by_digest is None:
             return ANONYMOUS
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        scheme, _, key = (authorization or b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not key.strip():
             raise Unauthorized("missing API key (Authorization: Bearer <key>)")
-        for known, tenant in self.keys.items():
-            if secrets.compare_digest(known, key):
-                return tenant
-        raise Unauthorized("invalid API key")
+        tenant = self._by_digest.get(_digest(key.strip()))
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return tenant
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
 
 
 @dataclass
@@ -98,32 +113,44 @@ class ServedModels:
         return tenant.admin or adapter.owner is None or adapter.owner == tenant.name
 
     def resolve(self, name: str, tenant: Tenant) -> LoRARequest | None:
-        """The adapter `name` names (None: the base model). Raises ModelNotFound."""
+        """The adapter `name` names (None: the base model). Raises ModelNotFound.
+
+        A name the tenant may not see and a name nobody uses take the same path (the
+        registry is asked about both), so the answer's timing tells them no more than
+        its text. May read the registry: call it off the event loop."""
         if name in self.base_names:
             return None
         adapter = self.adapters.get(name)
-        if adapter is None and self.registry is not None:
-            return self._from_registry(name)
-        if adapter is None or not self.visible(tenant, adapter):
+        if adapter is not None and self.visible(tenant, adapter):
+            return adapter.lora
+        entry = self._registry_entry(name)
+        if adapter is not None or entry is None or not entry.visible_to(tenant.name, tenant.admin):
             raise ModelNotFound(name)
-        return adapter.lora
-
-    def _from_registry(self, name: str) -> LoRARequest:
-        base, _, version = name.partition("@")
-        try:
-            self.registry.resolve(base, version or None)
-        except AdapterError:
-            raise ModelNotFound(name) from None
         if name not in self._registry_ids:
             self._registry_ids[name] = self._next_id
             self._next_id += 1
         return LoRARequest(name, self._registry_ids[name], "")  # the engine resolves it
 
+    def _registry_entry(self, name: str):
+        if self.registry is None:
+            return None
+        base, _, version = name.partition("@")
+        try:
+            return self.registry.lookup(base, version or None)
+        except AdapterError:
+            return None
+
     def listing(self, tenant: Tenant) -> list[tuple[str, ServedAdapter | None]]:
+        """What `tenant` may use: base names, adapters, registry names (their latest
+        version). Reads the registry's index: call it off the event loop."""
         base = [(name, None) for name in self.base_names]
-        registered = [(n, ServedAdapter(LoRARequest(n, 1, f"registry:{n}"), None))
-                      for n in (self.registry.names() if self.registry else []) if n not in self.adapters]
-        return base + [(n, a) for n, a in self.adapters.items() if self.visible(tenant, a)] + registered
+        served = [(n, a) for n, a in self.adapters.items() if self.visible(tenant, a)]
+        registered = []
+        for n in self.registry.names() if self.registry else []:
+            entry = self._registry_entry(n)
+            if n not in self.adapters and entry is not None and entry.visible_to(tenant.name, tenant.admin):
+                registered.append((n, ServedAdapter(LoRARequest(n, 1, f"registry:{n}"), entry.owner)))
+        return base + served + registered
 
     def new_adapter(self, name: str, path: str, owner: str | None) -> ServedAdapter:
         lora = LoRARequest(name, self._next_id, path)

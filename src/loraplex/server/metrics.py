@@ -30,13 +30,13 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into a tier",
                                     labels=["tier"])
-        loads.add_metric(["gpu"], s["adapter_slot_loads"])
+        loads.add_metric(["device"], s["adapter_slot_loads"])
         loads.add_metric(["host"], s.get("adapter_disk_loads", 0) + s.get("adapter_remote_loads", 0))
         loads.add_metric(["disk"], s.get("adapter_remote_loads", 0))
         yield loads
         evictions = CounterMetricFamily("loraplex_adapter_evictions",
                                         "Adapters evicted from a tier", labels=["tier"])
-        evictions.add_metric(["gpu"], s["adapter_slot_evictions"])
+        evictions.add_metric(["device"], s["adapter_slot_evictions"])
         evictions.add_metric(["host"], s.get("adapter_host_evictions", 0))
         yield evictions
 
@@ -57,17 +57,30 @@ class Metrics:
         self.queue = Histogram("loraplex_request_queue_time_seconds", "Arrival to first step",
                                buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter("loraplex_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter("loraplex_generation_tokens",
+                                         "Generated tokens (aborted requests' included)", registry=r)
+        self.aborted_tokens = Counter("loraplex_aborted_generation_tokens",
+                                      "Tokens generated for requests aborted before they finished "
+                                      "(the client left or was too slow)", registry=r)
         self.adapter_requests = Counter("loraplex_adapter_requests",
                                         "Adapter requests by the tier that held the adapter "
-                                        "(gpu and host are hits)", ["tier"], registry=r)
+                                        "(device and host are hits)", ["tier"], registry=r)
         self.adapter_load = Histogram("loraplex_adapter_load_seconds",
-                                      "Time to read an adapter from its source",
+                                      "Time a request waited for its adapter to be read from "
+                                      "its source",
                                       buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_EngineCollector(stats_fn, in_flight_fn))
 
+    def record(self, endpoint: str, outcome: str, out: RequestOutput | None) -> None:
+        """A request ended: "ok", "error" or "aborted" (with its newest output, if any)."""
+        self.requests.labels(endpoint, outcome).inc()
+        if out is not None:
+            self.observe(out)
+            if outcome == "aborted":
+                self.aborted_tokens.inc(len(out.outputs[0].token_ids))
+
     def observe(self, out: RequestOutput) -> None:
-        """Record a finished request's timings and tokens."""
+        """Record a request's timings and tokens."""
         m = out.metrics
         n = len(out.outputs[0].token_ids)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -82,7 +95,7 @@ class Metrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
         if m.adapter_source is not None:
             self.adapter_requests.labels(m.adapter_source).inc()
-        if m.adapter_load_time is not None:
+        if m.adapter_load_time:  # the request waited for a load (0: it was in memory)
             self.adapter_load.observe(m.adapter_load_time)
 
     def render(self) -> bytes:

@@ -1,35 +1,82 @@
 """OpenAI request bodies (plus vLLM's extensions) and their translation to SamplingParams.
 
-Bodies are validated here: wrong types and out-of-range values become 400 errors with
-an OpenAI-style body before anything reaches the engine.
+Bodies are validated here: wrong types, out-of-range values, strings that are not valid
+Unicode and fields this server does not implement become 400 errors with an OpenAI-style
+body before anything reaches the engine. No field is silently ignored: an unknown field
+is refused, fields of OpenAI's API that are not implemented are accepted only at their
+neutral value, and only `user` and `metadata` pass unused (OpenAI's abuse-monitoring id
+and the metadata of stored completions: neither changes what is generated).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.errors import InvalidRequest
 from loraplex.types import SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # text that may be a stop string's start is held back
+MAX_STOP_TOKEN_IDS = 1024  # each step bans them while min_tokens holds
+MAX_PROMPTS = 256  # per completions request
 MAX_N = 1  # choices per request
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int = 400,
                param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": printable(message), "type": type_,
+                      "param": printable(param) if param is not None else None, "code": code}}
+
+
+def printable(text: str) -> str:
+    """`text` as valid UTF-8, lone surrogates (which no encoder takes) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def invalid_text_at(data: Any) -> str | None:
+    """Where in a parsed JSON body a string is not valid Unicode (a lone surrogate, which
+    JSON's \\ud800 escapes can carry), or None."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "the body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((where, key))
+                stack.append((f"{where}.{printable(str(key))}".lstrip("."), item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+class _Body(BaseModel):
+    """A request body: unknown fields are errors (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = invalid_text_at(data)
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode (it holds a lone surrogate)")
+        return data
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = None
@@ -43,6 +90,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    metadata: dict[str, str] | None = None
     # vLLM's extensions (its benchmark client sends some of them).
     top_k: int | None = None
     min_tokens: int = 0
@@ -51,23 +99,47 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
+    # OpenAI's, not implemented: refused unless at their neutral value.
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # means nothing without tools
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def unsupported(self) -> list[str]:
+        """Fields set to something this server does not implement."""
+        neutral = {
+            "best_of": self.best_of in (None, 1),
+            "logit_bias": not self.logit_bias,
+            "response_format": self.response_format in (None, {"type": "text"}),
+            "tools": not self.tools,
+            "tool_choice": self.tool_choice in (None, "none"),
+            "presence_penalty": self.presence_penalty == 0,
+            "frequency_penalty": self.frequency_penalty == 0,
+            "repetition_penalty": self.repetition_penalty == 1,
+        }
+        return [name for name, ok in neutral.items() if not ok]
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Checks what SamplingParams does not: limits and unsupported features."""
+        bad = self.unsupported()
+        if bad:
+            raise InvalidRequest(f"{bad[0]} is not supported by this server", param=bad[0])
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise InvalidRequest(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters",
+                                 param="stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
         if self.n > MAX_N or self.n < 1:
-            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported (must be 0)")
-        if self.repetition_penalty != 1.0:
-            raise InvalidRequest("repetition_penalty is not supported (must be 1)")
+            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -94,30 +166,41 @@ class CompletionRequest(_SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
         p = self.prompt
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported by this server", param="suffix")
         if isinstance(p, str):
             return [p]
         if not p:
-            raise InvalidRequest("prompt is empty")
+            raise InvalidRequest("prompt is empty", param="prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
+        if len(p) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}",
+                                 param="prompt")
         return list(p)
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # handed to the chat template, which may use it
 
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise InvalidRequest(f"content part of type {part.get('type')!r} is not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+    def template_dict(self) -> dict:
+        text = self.content if not isinstance(self.content, list) else "".join(
+            part.text for part in self.content)
+        message = {"role": self.role, "content": text or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -125,17 +208,24 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    functions: list[Any] | None = None  # OpenAI's older tools: refused unless empty
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + [name for name, ok in (
+            ("functions", not self.functions), ("function_call", self.function_call in (None, "none")),
+        ) if not ok]
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class LoadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
     tenant: str | None = None  # loraplex: the owner; None = visible to every tenant
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None

@@ -2,7 +2,8 @@
 
 Flags keep vLLM's names. On SIGTERM / SIGINT the server drains: new requests get 503,
 running ones have --shutdown-timeout seconds to finish, the rest end with an explicit
-error, and only then does uvicorn close its connections.
+error, and only then does uvicorn close its connections. Another signal during the drain
+ends every unfinished request at once, still each with its error event.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 from pathlib import Path
 
 from loraplex.config import CUDAGRAPH_MODES
@@ -59,7 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps replayed from CUDA graphs: decode and mixed steps, decode only, none")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
                    help="the largest mixed step (tokens) replayed from a CUDA graph")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM / SIGINT (a second "
+                        "signal ends them at once, each with an explicit error)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without an API key (every other path needs one when keys "
+                        "are configured; /health never does)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="largest request body accepted (413 beyond it)")
+    p.add_argument("--stream-write-timeout", type=float, default=60.0,
+                   help="seconds a streaming client may accept no data before it is disconnected "
+                        "and its request aborted")
 
 
 def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
@@ -123,31 +135,50 @@ def build_server(args):
         served.adapters[name] = adapter
     engine = AsyncEngine(llm.engine)
     server = Server(engine, llm.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
-                    served, llm.config.scheduler.max_model_len)
-    return server, build_app(server, args.shutdown_timeout)
+                    served, llm.config.scheduler.max_model_len, args.stream_write_timeout)
+    return server, build_app(server, args.shutdown_timeout, args.public_metrics, args.max_request_bytes)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the model loads: a port in use fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"loraplex: error: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
+    sock = bind(args.host, args.port)
     server, app = build_server(args)
 
     class DrainingServer(uvicorn.Server):
+        """uvicorn closes connections on its first signal and cuts them on its second:
+        it hears of one signal only, after the drain has ended every request."""
+
         def handle_exit(self, sig, frame):
-            if getattr(self, "_draining", False):
-                return super().handle_exit(sig, frame)
-            self._draining = True
             loop = asyncio.get_event_loop()
+            if getattr(self, "_draining", False):  # end the drain now
+                logger.info("signal %d again: ending every unfinished request now", sig)
+                loop.call_soon_threadsafe(server.engine.hurry)
+                return
+            self._draining = True
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(sig, frame)))
 
         async def _drain(self, sig, frame):
             await server.engine.shutdown(args.shutdown_timeout)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5)
     adapters = f" (adapters: {', '.join(server.served.adapters)})" if server.served.adapters else ""
     logger.info("serving %s%s on http://%s:%d", ", ".join(server.served.base_names), adapters,
                 args.host, args.port)
-    DrainingServer(config).run()
+    DrainingServer(config).run(sockets=[sock])
     return 0
