@@ -4,10 +4,12 @@ HTTP driver against a streaming OpenAI-style server."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from loraplex.bench.clients import run_http
@@ -101,21 +103,25 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         pass
 
 
-def test_bench_over_http():
+@pytest.fixture
+def fake_server():
+    """A _FakeOpenAI server on a free loopback port, with .url and .seen (request bodies)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
     server.seen = []
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        reqs = make_requests(8, 4, 5, vocab_size=100, num_adapters=2, distribution="uniform", seed=1)
-        records = run_http(url, "base-model", reqs, ["ad-0", "missing"], max_concurrency=3)
-    finally:
-        server.shutdown()
+    yield server
+    server.shutdown()
+
+
+def test_bench_over_http(fake_server):
+    reqs = make_requests(8, 4, 5, vocab_size=100, num_adapters=2, distribution="uniform", seed=1)
+    records = run_http(fake_server.url, "base-model", reqs, ["ad-0", "missing"], max_concurrency=3)
     ok = [r for r, q in zip(records, reqs) if q.adapter != 1]
     assert all(r.error is None and r.num_output_tokens == 5 and len(r.token_times) == 5 for r in ok)
     assert all(r.error.startswith("HTTP 404") for r, q in zip(records, reqs) if q.adapter == 1)
-    assert {b["model"] for b in server.seen} <= {"ad-0", "missing"}
-    assert all(b["stream"] and b["ignore_eos"] and b["prompt"].startswith("t") for b in server.seen)
+    assert {b["model"] for b in fake_server.seen} <= {"ad-0", "missing"}
+    assert all(b["stream"] and b["ignore_eos"] and b["prompt"].startswith("t") for b in fake_server.seen)
     result = summarize("http", records)
     assert result.num_failed == sum(q.adapter == 1 for q in reqs)
     assert 10 <= result.itl_ms["median"] <= 200
@@ -162,3 +168,107 @@ def test_compiled_kernels_reports_variants_compiled_meanwhile():
     assert len(compiled) == 1 and compiled[0].startswith("_rotary_kernel[num_warps=4](...) called from ")
     assert "test_bench.py" not in compiled[0]  # only loraplex's own calls are named
     assert knobs.runtime.jit_post_compile_hook is before
+
+
+def _cli(argv: list[str]) -> int:
+    """cli(argv)'s exit status, argparse's SystemExit included."""
+    try:
+        return cli(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert "nan" not in out and len(lines) == 1 and lines[0].startswith("loraplex: error: "), (out, err)
+    return lines[0]
+
+
+def test_bench_over_http_names_the_servers_adapters(fake_server, model_dirs, tmp_path, capsys):
+    """--lora-modules: each request names one of the server's adapters, uniformly, as in
+    vllm bench serve, whose flag names for the random dataset are accepted too."""
+    code = _cli(["bench", "--model", str(model_dirs["qwen3"]), "--base-url", fake_server.url,
+                 "--dataset-name", "random", "--random-input-len", "4", "--random-output-len", "3",
+                 "--num-prompts", "16", "--max-concurrency", "4", "--lora-modules", "ad-0", "ad-1",
+                 "--result-json", str(tmp_path / "r.json")])
+    assert code == 0
+    assert "2 adapters (uniform)" in capsys.readouterr().out
+    assert sorted({b["model"] for b in fake_server.seen}) == ["ad-0", "ad-1"]
+    assert all(b["max_tokens"] == 3 and len(b["prompt"].split()) == 4 for b in fake_server.seen)
+    assert json.loads((tmp_path / "r.json").read_text())[0]["num_failed"] == 0
+
+
+def test_bench_over_http_wants_adapter_names(fake_server, model_dirs, capsys):
+    """--num-adapters K makes adapters in process; a server's adapter names are not guessed."""
+    code = _cli(["bench", "--model", str(model_dirs["qwen3"]), "--base-url", fake_server.url,
+                 "--num-prompts", "4", "--num-adapters", "2"])
+    assert code == 2 and "--lora-modules" in _one_line_error(capsys)
+    assert fake_server.seen == []
+    code = _cli(["bench", "--model", str(model_dirs["qwen3"]), "--lora-modules", "ad-0"])
+    assert code == 2 and "--base-url" in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("case", ["unreachable", "unknown adapter"])
+def test_bench_stops_when_every_request_fails(fake_server, model_dirs, capsys, case):
+    """No table of nan: one line with the first failure's message, and a non-zero status."""
+    url, extra = (("http://127.0.0.1:1", []) if case == "unreachable"
+                  else (fake_server.url, ["--lora-modules", "missing"]))
+    code = _cli(["bench", "--model", str(model_dirs["qwen3"]), "--base-url", url,
+                 "--num-prompts", "3", "--input-len", "4", "--output-len", "2", *extra])
+    line = _one_line_error(capsys)
+    assert code == 2 and "3 requests failed" in line
+    assert ("ConnectError" if case == "unreachable" else "HTTP 404") in line
+
+
+def test_bench_dataset_name_is_random_only(capsys):
+    assert _cli(["bench", "--model", "m", "--dataset-name", "sharegpt"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--dataset-name: invalid choice: 'sharegpt' (choose from" in line and "random" in line
+
+
+def test_plot_needs_matplotlib_before_any_run(monkeypatch, tmp_path, capsys):
+    from loraplex.bench import run
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.setattr(run, "prepare_model_dir", lambda *a: pytest.fail("the run started"))
+    code = _cli(["bench", "--model", "qwen3-0.6b", "--plot", str(tmp_path / "p.png")])
+    assert code == 2 and "pip install 'loraplex[plot]'" in _one_line_error(capsys)
+
+
+def test_plot_runs_share_bins(monkeypatch, tmp_path):
+    """A tight run stays visible beside a wide one: every run of a panel is binned with the
+    same edges, which span all of them."""
+    from matplotlib.axes import Axes
+
+    from loraplex.bench.report import plot
+
+    drawn = []
+    hist = Axes.hist
+
+    def spy(ax, x, *args, **kwargs):
+        counts, edges, patches = hist(ax, x, *args, **kwargs)
+        drawn.append((id(ax), np.asarray(x), edges))
+        return counts, edges, patches
+
+    monkeypatch.setattr(Axes, "hist", spy)
+
+    def run(label, ttfts, tpot, spread=0.01):
+        tpots = tpot * (1 + spread * (np.arange(len(ttfts)) % 5))
+        recs = [RequestRecord(send_time=0.0, token_times=[t, t + tpot, t + 2 * tpot], num_output_tokens=3)
+                for t, tpot in zip(ttfts, tpots)]
+        return summarize(label, recs)
+
+    tight = run("tight", 0.100 + 0.001 * np.arange(50) / 50, 0.010)
+    wide = run("wide", np.linspace(0.05, 0.5, 50), 0.040)
+    plot([tight, wide], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
+    panels = {}
+    for key, x, edges in drawn:
+        panels.setdefault(key, []).append((x, edges))
+    assert len(panels) == 2 and all(len(runs) == 2 for runs in panels.values())
+    for (x0, e0), (x1, e1) in panels.values():
+        assert np.array_equal(e0, e1)
+        assert e0[0] <= min(x0.min(), x1.min()) and e0[-1] >= max(x0.max(), x1.max())
+    # One TPOT for every request (up to rounding) has no range to split into bins.
+    plot([run("steady", 0.1 + 0.001 * np.arange(50), 0.010, spread=0)], str(tmp_path / "p.png"))

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from loraplex.errors import LoraplexError
+
 
 @dataclass
 class RequestRecord:
@@ -104,6 +106,14 @@ def to_json(results: list[BenchResult]) -> str:
     return json.dumps([row(r) for r in results], indent=2)
 
 
+def require_matplotlib() -> None:
+    """Fail before the runs, not after them, when --plot cannot draw."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise LoraplexError("--plot needs matplotlib: pip install 'loraplex[plot]'") from None
+
+
 def plot(results: list[BenchResult], path: str) -> None:
     """Histograms of TTFT and TPOT per run, side by side."""
     import matplotlib
@@ -112,14 +122,25 @@ def plot(results: list[BenchResult], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        axes[0].hist(np.asarray(r.ttfts) * 1e3, bins=40, alpha=0.5, label=r.label)
-        axes[1].hist(np.asarray(r.tpots) * 1e3, bins=40, alpha=0.5, label=r.label)
-    axes[0].set_xlabel("TTFT (ms)")
-    axes[1].set_xlabel("TPOT (ms)")
-    for ax in axes:
+    for ax, name, per_run in ((axes[0], "TTFT", [r.ttfts for r in results]),
+                              (axes[1], "TPOT", [r.tpots for r in results])):
+        values = [np.asarray(v) * 1e3 for v in per_run]
+        edges = _shared_edges(values)
+        for r, v in zip(results, values):
+            ax.hist(v, bins=edges, alpha=0.5, label=r.label)
+        ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("requests")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _shared_edges(values: list[np.ndarray], bins: int = 40) -> np.ndarray:
+    """Bin edges over every run's values: with bins of its own, a tight run is drawn as
+    slivers too thin to see beside a wide one."""
+    v = np.concatenate(values)
+    lo, hi = (float(v.min()), float(v.max())) if v.size else (0.0, 1.0)
+    if hi - lo <= 1e-9 * max(abs(hi), 1.0):  # one value, up to rounding: nothing to split
+        lo, hi = lo - 0.5, hi + 0.5
+    return np.linspace(lo, hi, bins + 1)

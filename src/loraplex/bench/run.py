@@ -6,8 +6,10 @@ Zipf). In-process runs build the engine once, pre-load the adapters (as vLLM's
 --lora-modules does) and warm up every kernel before timing; with --cold-adapters the
 adapters stay on disk until a request needs them (the tiered store under load: loads
 from disk, host and GPU evictions), and only the adapters the runs use are written.
-With --base-url the same workload goes to an OpenAI-compatible server, each adapter
-named bench-adapter-<i>.
+With --base-url the same workload goes to an OpenAI-compatible server; --lora-modules
+names the server's adapters, which the requests pick from as in-process runs do from
+theirs (uniformly by default, as `vllm bench serve --lora-modules` does).
+A run whose every request failed stops the bench with the first failure's message.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from pathlib import Path
 
 from loraplex.bench.clients import run_http, run_in_process
 from loraplex.bench.profile import compiled_kernels, pinned_allocs, step_profile
-from loraplex.bench.report import format_table, plot, summarize, to_json
+from loraplex.bench.report import format_table, plot, require_matplotlib, summarize, to_json
 from loraplex.bench.stack_sampler import StackSampler
 from loraplex.bench.synthetic import LINEAR_TARGETS
 from loraplex.bench.workload import BUNDLED_CONFIGS, make_requests, prepare_adapters, prepare_model_dir
 from loraplex.config import CUDAGRAPH_MODES
+from loraplex.entrypoints.cli import at_least
+from loraplex.errors import LoraplexError
 from loraplex.types import LoRARequest, SamplingParams
 
 logger = logging.getLogger("loraplex")
@@ -34,12 +38,19 @@ logger = logging.getLogger("loraplex")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="model directory, or a bundled config: " + ", ".join(BUNDLED_CONFIGS))
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--num-adapters", type=int, nargs="+", default=[0],
-                   help="one run per value; 0 = base model")
+    # vllm bench serve's names are accepted too: --dataset-name, --random-input-len, ...
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--num-prompts", type=at_least(1), default=512)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=at_least(1), default=512)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=at_least(1),
+                   default=128)
+    p.add_argument("--max-concurrency", type=at_least(1), default=32)
+    p.add_argument("--num-adapters", type=at_least(0), nargs="+", default=[0],
+                   help="in process: one run per value, over that many adapters the bench "
+                        "creates; 0 = base model")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="with --base-url: the server's adapters; each request names one "
+                        "(picked per --adapter-dist)")
     p.add_argument("--adapter-dist", nargs="+", default=["uniform"], choices=["uniform", "zipf"])
     p.add_argument("--cold-adapters", action="store_true",
                    help="adapters start on disk: nothing pre-loaded into host memory or GPU slots")
@@ -75,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    _check_args(args)
     cache = Path(args.cache_dir)
     model_dir, dummy = prepare_model_dir(args.model, cache)
     results = []
@@ -83,10 +95,9 @@ def main(args: argparse.Namespace) -> int:
         for k, dist in _runs(args):
             reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
                                  dist, args.seed)
-            names = [f"bench-adapter-{i}" for i in range(k)]
             records = run_http(args.base_url, args.served_model_name or str(args.model), reqs,
-                               names, args.max_concurrency, args.api_key)
-            results.append(summarize(_label(args, k, dist), records))
+                               args.lora_modules or [], args.max_concurrency, args.api_key)
+            results.append(_summarize(_label(args, k, dist), records))
     else:
         results = _run_in_process(args, model_dir, dummy)
     print(format_table(results))
@@ -121,8 +132,30 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_args(args) -> None:
+    """Fail on what the runs could not honour before any of them starts."""
+    if args.plot:
+        require_matplotlib()
+    if args.base_url and any(args.num_adapters):
+        raise LoraplexError("--num-adapters creates adapters in this process; with --base-url "
+                            "name the server's adapters: --lora-modules NAME [NAME ...]")
+    if args.lora_modules and not args.base_url:
+        raise LoraplexError("--lora-modules names a server's adapters (with --base-url); in "
+                            "process --num-adapters K creates K adapters")
+
+
 def _runs(args) -> list[tuple[int, str]]:
-    return [(k, d) for k in args.num_adapters for d in (args.adapter_dist if k else ["none"])]
+    counts = [len(args.lora_modules)] if args.lora_modules else args.num_adapters
+    return [(k, d) for k in counts for d in (args.adapter_dist if k else ["none"])]
+
+
+def _summarize(label: str, records, extra: dict | None = None):
+    """summarize(), refusing a run whose every request failed (its table would be nan)."""
+    result = summarize(label, records, extra)
+    if result.num_failed == result.num_requests:
+        first = next((r.error for r in records if r.error), "no output tokens")
+        raise LoraplexError(f"{label}: all {result.num_requests} requests failed; the first: {first}")
+    return result
 
 
 def _label(args, k: int, dist: str) -> str:
@@ -213,7 +246,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
             logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
                            "missed them; each stalls the engine; in full in the JSON): %s",
                            len(compiled), short)
-        results.append(summarize(_label(args, k, dist), records, extra))
+        results.append(_summarize(_label(args, k, dist), records, extra))
         logger.info("%s", format_table(results[-1:]))
     return results
 
@@ -227,7 +260,7 @@ def _publish(root: Path, adapters: dict[str, Path]) -> None:
     registry = Registry(str(root))
     todo = {n: p for n, p in adapters.items() if not registry.index(n)["versions"]}
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda item: registry.publish(*item, link=True), todo.items()))
+        list(pool.map(lambda item: registry.publish(*item, link=True, owner=None), todo.items()))
 
 
 def _warm_up(llm, adapters: list[LoRARequest], args) -> None:

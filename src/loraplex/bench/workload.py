@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from loraplex.bench.synthetic import LINEAR_TARGETS, write_random_adapter, write_word_tokenizer
+from loraplex.errors import ModelLoadError
 
 BUNDLED_CONFIGS = ("llama-3.1-8b", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b", "gpt-oss-20b")
+MOE_CONFIGS = ("qwen3-30b-a3b", "gpt-oss-20b")  # those `loraplex tune` takes
 
 
 @dataclass
@@ -52,10 +54,12 @@ def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
     """A model directory for `model`: a path as is, or a bundled config name -> a directory
     with that config.json and a word tokenizer (weights: dummy). Returns (dir, is_dummy)."""
     if Path(model).is_dir():
+        if not (Path(model) / "config.json").is_file():
+            raise ModelLoadError(f"{model}: not a model directory (no config.json)")
         return Path(model), not any(Path(model).glob("*.safetensors"))
     if model not in BUNDLED_CONFIGS:
         known = ", ".join(BUNDLED_CONFIGS)
-        raise ValueError(f"{model!r} is neither a directory nor a bundled config ({known})")
+        raise ModelLoadError(f"{model!r} is neither a directory nor a bundled config ({known})")
     out = cache_dir / model
     if not (out / "tokenizer.json").is_file():
         out.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,40 @@
-"""`loraplex` console entry point: one command, a subcommand per job."""
+"""`loraplex` console entry point: one command, a subcommand per job.
+
+A mistake of the caller's (a LoraplexError) ends the command with one line
+`loraplex: error: ...` and status 2, as argparse ends its own; anything else is a bug
+and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
+
+from loraplex.entrypoints.llm import _DTYPES as DTYPES  # the names LLM(dtype=...) takes
+from loraplex.errors import LoraplexError
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum (a zero or negative count would fail deep
+    inside a run, or hang it)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: ..."
+    return parse
+
+
+def _name_path(spec: str) -> tuple[str, str]:
+    name, _, path = spec.partition("=")
+    if not (name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {spec!r}")
+    return name, path
 
 
 def _generate(args) -> int:
@@ -16,8 +46,7 @@ def _generate(args) -> int:
         max_model_len=args.max_model_len,
     )
     loras = [None]
-    for i, spec in enumerate(args.lora_modules):
-        name, _, path = spec.partition("=")
+    for i, (name, path) in enumerate(args.lora_modules):
         loras.append(LoRARequest(name, i + 1, path))
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     for lora, out in zip(loras, llm.generate([args.prompt] * len(loras), sp, loras)):
@@ -30,21 +59,32 @@ def _registry(args) -> int:
 
     registry = Registry(args.root)
     if args.action == "publish":
-        if not (args.name and args.adapter_dir):
-            raise SystemExit("usage: loraplex registry ROOT publish NAME ADAPTER_DIR [--version V]")
-        version, cid = registry.publish(args.name, args.adapter_dir, args.version)
+        if not (args.name and args.adapter_dir) or args.public == (args.owner is not None):
+            raise LoraplexError("usage: loraplex registry ROOT publish NAME ADAPTER_DIR "
+                                "(--owner TENANT | --public) [--version V]")
+        try:
+            version, cid = registry.publish(args.name, args.adapter_dir, args.version,
+                                            owner=None if args.public else args.owner)
+        except ValueError as e:  # a bad name, or a name another owner has
+            raise LoraplexError(str(e)) from None
         print(f"{args.name}@{version} {cid}")
-    else:
-        for name in registry.names():
-            index = registry.index(name)
-            for version, cid in sorted(index["versions"].items()):
-                latest = " (latest)" if version == index["latest"] else ""
-                print(f"{name}@{version} {cid}{latest}")
+        return 0
+    if not registry.exists():
+        raise LoraplexError(f"no registry at {args.root} (`publish` creates one)")
+    for name in registry.names():
+        index = registry.index(name)
+        owner = ("admins only: publish again with an owner" if "owner" not in index
+                 else "public" if index["owner"] is None else f"owner {index['owner']}")
+        for version, cid in sorted(index["versions"].items()):
+            latest = ", latest" if version == index["latest"] else ""
+            print(f"{name}@{version} {cid} ({owner}{latest})")
     return 0
 
 
 def _tune(args) -> int:
-    from loraplex.ops.triton import tune_moe  # needs Triton and a GPU
+    if importlib.util.find_spec("triton") is None:
+        raise LoraplexError("loraplex tune needs Triton and a CUDA GPU: pip install 'loraplex[gpu]'")
+    from loraplex.ops.triton import tune_moe
 
     return tune_moe.main(args)
 
@@ -56,19 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete one prompt with the base model and each adapter")
     gen.add_argument("model", help="Hugging Face model directory")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--lora-modules", nargs="*", type=_name_path, default=[], metavar="NAME=PATH")
+    gen.add_argument("--max-tokens", type=at_least(1), default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    gen.add_argument("--max-loras", type=int, default=8)
-    gen.add_argument("--max-lora-rank", type=int, default=64)
-    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--max-loras", type=at_least(0), default=8)
+    gen.add_argument("--max-lora-rank", type=at_least(1), default=64)
+    gen.add_argument("--max-model-len", type=at_least(1), default=None)
     gen.set_defaults(func=_generate)
 
     from loraplex.bench import run as bench
-    from loraplex.bench.workload import BUNDLED_CONFIGS
+    from loraplex.bench.workload import MOE_CONFIGS
     from loraplex.server import run as serve
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
@@ -81,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tune = sub.add_parser("tune", help="tune the MoE kernels' block configs on this GPU (JSON files)")
     tune.add_argument("--model", required=True,
-                      help="MoE model directory, or a bundled config: " + ", ".join(BUNDLED_CONFIGS))
-    tune.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                      help="MoE model directory, or a bundled MoE config: " + ", ".join(MOE_CONFIGS))
+    tune.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=None,
                       help="token counts to tune (default: 1 to 4096)")
     tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     tune.add_argument("--out", default=None, help="output directory (default: the package's configs)")
@@ -102,10 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     reg.add_argument("name", nargs="?")
     reg.add_argument("adapter_dir", nargs="?")
     reg.add_argument("--version", default=None, help="default: the next integer")
+    reg.add_argument("--owner", default=None, metavar="TENANT",
+                     help="publish: the tenant that may use it (a name keeps its first owner)")
+    reg.add_argument("--public", action="store_true", help="publish: every tenant may use it")
     reg.set_defaults(func=_registry)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except LoraplexError as e:
+        print(f"{parser.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

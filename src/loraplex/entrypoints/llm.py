@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
 from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
-from loraplex.errors import InvalidRequest
+from loraplex.errors import InvalidRequest, ModelLoadError
+from loraplex.models.default_model import STOP_STRINGS_KEY
 from loraplex.types import LoRARequest, RequestOutput, SamplingParams
 
 _DTYPES = {
@@ -73,6 +74,8 @@ class LLM:
     ):
         if load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+        if not (Path(model) / "config.json").is_file():  # else transformers takes it for a Hub id
+            raise ModelLoadError(f"{model}: not a model directory (no config.json)")
         hf_config = AutoConfig.from_pretrained(model)
         model_cfg = ModelConfig.from_hf(hf_config)
         generation = _generation_config(model)
@@ -252,5 +255,8 @@ def _generation_config(model_dir: str) -> dict:
     data = json.loads(path.read_text()) if path.is_file() else {}
     eos = data.get("eos_token_id")
     eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    stops = data.get("stop_strings") or []
-    return {"eos": eos, "stop_strings": tuple([stops] if isinstance(stops, str) else stops)}
+    stops = []
+    for key in ("stop_strings", STOP_STRINGS_KEY):  # transformers' own, and loraplex's
+        value = data.get(key) or []
+        stops += [value] if isinstance(value, str) else value
+    return {"eos": eos, "stop_strings": tuple(stops)}

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
+from loraplex.errors import LoraplexError, UnsupportedModel
 from loraplex.ops.triton.moe_align import align_experts
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, config_file_name, device_name, save_configs
 from loraplex.ops.triton.moe_gemm import moe_gemm
@@ -119,14 +120,17 @@ def main(args: argparse.Namespace) -> int:
     """`loraplex tune` (arguments declared in entrypoints/cli.py)."""
     from transformers import AutoConfig
 
-    from loraplex.bench.workload import prepare_model_dir
+    from loraplex.bench.workload import MOE_CONFIGS, prepare_model_dir
     from loraplex.config import ModelConfig
 
     logging.basicConfig(level=logging.INFO)
     model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
     if not cfg.moe_layers:
-        raise SystemExit(f"{args.model}: not a mixture-of-experts model")
+        raise UnsupportedModel(f"{args.model}: not a mixture-of-experts model, and only MoE kernels "
+                               f"are tuned (bundled MoE configs: {', '.join(MOE_CONFIGS)})")
+    if not torch.cuda.is_available():
+        raise LoraplexError("loraplex tune times kernels on a CUDA GPU; this machine has none")
     tune(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
          getattr(torch, args.dtype), args.batch_sizes or BATCH_SIZES, args.out)
     return 0
