@@ -118,3 +118,20 @@ def test_registry_commands_need_an_owner_and_an_existing_registry(adapter_dirs, 
     assert cli(["registry", root, "publish", "a", adapter, "--owner", "acme"]) == 0
     assert cli(["registry", root, "publish", "a", adapter, "--public"]) == 2
     assert "belongs to tenant 'acme'" in capsys.readouterr().err
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(model_dirs, capsys, caplog):
+    """The port is bound first: a taken one fails at once, in one line (it loaded the
+    model, then failed to bind)."""
+    import logging
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.INFO, logger="loraplex"):
+            assert cli(["serve", str(model_dirs["qwen3"]), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"loraplex: error: cannot listen on 127.0.0.1:{port}") and "\n" not in err
+    assert not [r for r in caplog.records if "loaded" in r.getMessage()], "the model was not loaded"

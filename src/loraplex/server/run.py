@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 
 from loraplex.config import CUDAGRAPH_MODES
+from loraplex.errors import LoraplexError
 
 logger = logging.getLogger("loraplex")
 
@@ -148,7 +149,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise SystemExit(f"loraplex: error: cannot listen on {host}:{port}: {e.strerror}") from None
+        raise LoraplexError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.set_inheritable(True)
     return sock
 
