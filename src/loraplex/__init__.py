@@ -2,6 +2,7 @@
 
 import logging as _logging
 
+from loraplex.engine.args import EngineArgs
 from loraplex.entrypoints.llm import LLM
 from loraplex.errors import (
     AdapterError,
@@ -23,6 +24,7 @@ if not _logger.handlers:  # one line per event on stderr, like vLLM; silenced vi
 
 __all__ = [
     "LLM",
+    "EngineArgs",
     "AdapterError",
     "AdapterInvalid",
     "AdapterNotFound",

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from loraplex.bench.clients import run_http, run_in_process
@@ -26,11 +27,16 @@ from loraplex.bench.profile import compiled_kernels, pinned_allocs, step_profile
 from loraplex.bench.report import format_table, plot, require_matplotlib, summarize, to_json
 from loraplex.bench.stack_sampler import StackSampler
 from loraplex.bench.synthetic import LINEAR_TARGETS
-from loraplex.bench.workload import BUNDLED_CONFIGS, make_requests, prepare_adapters, prepare_model_dir
-from loraplex.config import CUDAGRAPH_MODES
-from loraplex.entrypoints.cli import at_least
+from loraplex.bench.workload import (
+    BUNDLED_CONFIGS,
+    BenchRequest,
+    make_requests,
+    prepare_adapters,
+    prepare_model_dir,
+)
+from loraplex.engine.args import EngineArgs, at_least
 from loraplex.errors import LoraplexError
-from loraplex.types import LoRARequest, SamplingParams
+from loraplex.types import LoRARequest
 
 logger = logging.getLogger("loraplex")
 
@@ -54,35 +60,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-dist", nargs="+", default=["uniform"], choices=["uniform", "zipf"])
     p.add_argument("--cold-adapters", action="store_true",
                    help="adapters start on disk: nothing pre-loaded into host memory or GPU slots")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="host-memory adapters (default: K pre-loaded; 4 x max-loras cold)")
-    p.add_argument("--max-cpu-lora-memory", type=float, default=None, metavar="GIB",
-                   help="byte budget of the host tier (also what it page-locks up front)")
-    p.add_argument("--lora-load-workers", type=int, default=8)
     p.add_argument("--adapter-registry", action="store_true",
                    help="publish the adapters to a registry (hard links) and request them by name")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=list(LINEAR_TARGETS),
                    help="module names; 'experts' adds every expert's gate_up and down (MoE)")
-    p.add_argument("--max-loras", type=int, default=None, help="GPU slots (default: max K)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES)
-    p.add_argument("--max-cudagraph-capture-size", type=int, default=2048)
     p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     p.add_argument("--base-url", default=None, help="drive this OpenAI-compatible server instead")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-json", default=None)
     p.add_argument("--plot", default=None, metavar="PNG")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-stacks", action="store_true",
                    help="in process: sample where the engine thread spends its host time in "
                         "runner.launch (reported per run; the sampler thread takes the GIL, so "
                         "host-bound runs slow down: leave it off for throughput figures)")
+    EngineArgs.add_cli_args(p)
+    # The in-process engine's defaults for benchmarking; None: sized from the workload.
+    p.set_defaults(dtype="bfloat16", lora_load_workers=8, measure_moe_routing=True, max_loras=None,
+                   max_lora_rank=None, max_num_seqs=None)
+    p.epilog = ("Engine arguments left at None are sized from the workload: --max-loras the "
+                "largest --num-adapters (at most 32 with --cold-adapters), --max-lora-rank "
+                "--lora-rank, --max-cpu-loras every adapter (4 x --max-loras with "
+                "--cold-adapters), --max-num-seqs --max-concurrency, --max-model-len input + "
+                "output + 16. --seed also draws the workloads.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,26 +172,19 @@ def _vocab_size(model_dir: Path) -> int:
 
 
 def _run_in_process(args, model_dir: Path, dummy: bool):
-    from loraplex import LLM
-
     max_k = max(args.num_adapters)
-    max_model_len = args.max_model_len or args.input_len + args.output_len + 16
     max_loras = args.max_loras or max(1, min(max_k, 32 if args.cold_adapters else max_k))
-    host = args.max_cpu_loras or (4 * max_loras if args.cold_adapters else max(max_k, 1))
     registry = Path(args.cache_dir) / "registry" if args.adapter_registry else None
-    llm = LLM(
-        str(model_dir), dtype=args.dtype, load_format="dummy" if dummy else "auto",
-        lora_registry=str(registry) if registry else None,
-        seed=args.seed, max_loras=max_loras, lora_load_workers=args.lora_load_workers,
-        max_lora_rank=args.lora_rank, max_cpu_loras=host,
-        max_cpu_lora_bytes=int(args.max_cpu_lora_memory * 2**30) if args.max_cpu_lora_memory else None,
-        max_num_seqs=args.max_num_seqs or max(args.max_concurrency, 1),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-        enforce_eager=args.enforce_eager, cudagraph_mode=args.cudagraph_mode,
-        max_cudagraph_capture_size=args.max_cudagraph_capture_size, measure_moe_routing=True,
-    )
-    engine = llm.engine
-    vocab = llm.config.model.vocab_size
+    engine = replace(
+        EngineArgs.from_cli_args(args), model=str(model_dir),
+        load_format="dummy" if dummy else args.load_format,
+        lora_registry=str(registry) if registry else args.lora_registry, max_loras=max_loras,
+        max_lora_rank=args.max_lora_rank or args.lora_rank,
+        max_cpu_loras=args.max_cpu_loras or (4 * max_loras if args.cold_adapters else max(max_k, 1)),
+        max_num_seqs=args.max_num_seqs or args.max_concurrency,
+        max_model_len=args.max_model_len or args.input_len + args.output_len + 16,
+    ).create_engine()
+    vocab = engine.config.model.vocab_size
     workloads = {(k, d): make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
                                        d, args.seed) for k, d in _runs(args)}
     adapters, warm = [], []
@@ -223,24 +217,24 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
                 engine.load_adapter(lora)
         logger.info("%d adapters ready in %.1f s", len(paths), time.perf_counter() - t0)
 
-    _warm_up(llm, warm, args)
+    _warm_up(engine, warm, args)
     results = []
     for (k, dist), reqs in workloads.items():
         steps_before = engine.num_steps
         engine.runner.reset_moe_routing_stats()
-        engine.step_log = []
+        engine.step_timings = []
         sampler = StackSampler(threading.current_thread()) if args.sample_stacks else nullcontext()
         pinned_before = pinned_allocs()
         with compiled_kernels() as compiled, sampler:
             records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
             engine.runner.synchronize()  # every logged step's device events have fired
         extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
-                 "steps": step_profile(engine.step_log), "compiled_while_timed": compiled}
+                 "steps": step_profile(engine.step_timings), "compiled_while_timed": compiled}
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
             extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in pinned_allocs().items()}
         if args.sample_stacks:
             extra["launch_stacks"] = sampler.report()
-        engine.step_log = None
+        engine.step_timings = None
         if compiled:
             short = [c[:120] + " ..." + c[c.rfind(" called from "):] for c in compiled]
             logger.warning("%d Triton kernel variants were compiled during the timed run (the warm-up "
@@ -263,20 +257,24 @@ def _publish(root: Path, adapters: dict[str, Path]) -> None:
         list(pool.map(lambda item: registry.publish(*item, link=True, owner=None), todo.items()))
 
 
-def _warm_up(llm, adapters: list[LoRARequest], args) -> None:
+def _warm_up(engine, adapters: list[LoRARequest], args) -> None:
     """Compile every kernel variant and load each adapter into a GPU slot, untimed."""
     t0 = time.perf_counter()
     n = max(args.max_concurrency, len(adapters), 1)
-    vocab = llm.config.model.vocab_size
+    vocab = engine.config.model.vocab_size
     # Varied tokens, as in the timed prompts: an MoE then routes them over many experts
     # (a prompt of one repeated token sends all its tokens to the same few).
     prompts = [[vocab // 4 + (i * 7919 + j * 104729) % (vocab // 2) for j in range(args.input_len)]
                for i in range(n)]
-    loras = [adapters[i % len(adapters)] if adapters and i % 2 else None for i in range(n)]
-    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
-    llm.generate(prompts, sp, loras, use_tqdm=False)
+    batches = [[BenchRequest(p, 4, i % len(adapters) if adapters and i % 2 else None)
+                for i, p in enumerate(prompts)]]
     if adapters:  # all adapters, then none: a step without adapter tokens runs other kernel
         # variants (no adapter delta in the MoE GEMMs), and the base run's steps are all such
-        llm.generate(prompts[: len(adapters)], sp, adapters, use_tqdm=False)
-        llm.generate(prompts, sp, None, use_tqdm=False)
+        batches.append([BenchRequest(p, 4, i) for i, p in enumerate(prompts[: len(adapters)])])
+        batches.append([BenchRequest(p, 4, None) for p in prompts])
+    for batch in batches:  # every request at once
+        failed = [r.error for r in run_in_process(engine, batch, adapters, len(batch)) if r.error]
+        if failed:
+            raise LoraplexError(f"warm-up: {len(failed)} of {len(batch)} requests failed; the first: "
+                                f"{failed[0]}")
     logger.info("warm-up done in %.1f s", time.perf_counter() - t0)

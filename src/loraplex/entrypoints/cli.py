@@ -12,22 +12,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from loraplex.entrypoints.llm import _DTYPES as DTYPES  # the names LLM(dtype=...) takes
+from loraplex.engine.args import EngineArgs, at_least
 from loraplex.errors import LoraplexError
-
-
-def at_least(minimum: int):
-    """An argparse type: an integer >= minimum (a zero or negative count would fail deep
-    inside a run, or hang it)."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in "invalid int value: ..."
-    return parse
 
 
 def _name_path(spec: str) -> tuple[str, str]:
@@ -40,15 +26,11 @@ def _name_path(spec: str) -> tuple[str, str]:
 def _generate(args) -> int:
     from loraplex import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(
-        args.model, dtype=args.dtype, load_format=args.load_format,
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_model_len=args.max_model_len,
-    )
+    llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     loras = [None]
     for i, (name, path) in enumerate(args.lora_modules):
         loras.append(LoRARequest(name, i + 1, path))
-    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for lora, out in zip(loras, llm.generate([args.prompt] * len(loras), sp, loras)):
         print(f"[{lora.lora_name if lora else 'base'}] {out.outputs[0].text}")
     return 0
@@ -81,15 +63,24 @@ def _registry(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from loraplex.entrypoints.default_model import use_default_model
+    from loraplex.server import run as serve
+
+    sock = serve.bind(args.host, args.port)  # a port in use fails before any model is built
+    use_default_model(args)
+    return serve.main(args, sock)
+
+
 def _tune(args) -> int:
     if importlib.util.find_spec("triton") is None:
         raise LoraplexError("loraplex tune needs Triton and a CUDA GPU: pip install 'loraplex[gpu]'")
-    from loraplex.ops.triton import tune_moe
+    from loraplex.bench import tune_moe
 
     return tune_moe.main(args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters of one LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -99,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--lora-modules", nargs="*", type=_name_path, default=[], metavar="NAME=PATH")
     gen.add_argument("--max-tokens", type=at_least(1), default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    gen.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    gen.add_argument("--max-loras", type=at_least(0), default=8)
-    gen.add_argument("--max-lora-rank", type=at_least(1), default=64)
-    gen.add_argument("--max-model-len", type=at_least(1), default=None)
+    EngineArgs.add_cli_args(gen)  # --seed among them: unseeded requests draw from the engine's
     gen.set_defaults(func=_generate)
 
     from loraplex.bench import run as bench
@@ -113,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
     serve.add_arguments(srv)
-    srv.set_defaults(func=serve.main)
+    srv.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
     bench.add_arguments(b)
@@ -146,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="publish: the tenant that may use it (a name keeps its first owner)")
     reg.add_argument("--public", action="store_true", help="publish: every tenant may use it")
     reg.set_defaults(func=_registry)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import fields
 
-import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
 
-from loraplex.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.engine import LLMEngine
-from loraplex.errors import InvalidRequest, ModelLoadError
-from loraplex.models.default_model import STOP_STRINGS_KEY
+from loraplex.engine.args import EngineArgs
+from loraplex.errors import InvalidRequest
 from loraplex.types import LoRARequest, RequestOutput, SamplingParams
-
-_DTYPES = {
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "half": "float16", "fp16": "float16",
-}
 
 PromptType = str | list[int] | dict
 
@@ -30,96 +18,19 @@ PromptType = str | list[int] | dict
 class LLM:
     """Generate from a base model and many LoRA adapters in one batch.
 
-    Arguments mirror vLLM's engine arguments. dtype="auto" takes the checkpoint's dtype
-    on GPU and float32 on CPU (where bf16 matmuls are slow). max_model_len defaults to
-    the model's max_position_embeddings. ops_backend="auto" runs Triton kernels on GPU
-    and the plain-torch reference ops on CPU; enforce_eager=True skips CUDA graphs
-    (cudagraph_mode="FULL_DECODE_ONLY" keeps them for decode steps only; mixed steps of
-    up to max_cudagraph_capture_size tokens replay them by default).
-    async_scheduling plans and launches each step before reading the previous one's
-    tokens (as vLLM's --async-scheduling), hiding host work behind the device's.
+    The keyword arguments are EngineArgs' fields (loraplex.engine.args: vLLM's engine
+    arguments, each with its default and help), e.g. max_loras, max_lora_rank,
+    max_model_len, dtype, enforce_eager, async_scheduling.
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | None = None,
-        seed: int = 0,
-        load_format: str = "auto",
-        enable_lora: bool = True,
-        max_loras: int = 8,
-        max_lora_rank: int = 64,
-        max_cpu_loras: int | None = None,
-        max_cpu_lora_bytes: int | None = None,
-        lora_registry: str | None = None,
-        lora_cache_dir: str | None = None,
-        lora_load_workers: int = 4,
-        lora_load_timeout: float = 120.0,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        max_logprobs: int = 20,
-        ops_backend: str = "auto",
-        enforce_eager: bool = False,
-        cudagraph_mode: str = "FULL",
-        max_cudagraph_capture_size: int = 2048,
-        async_scheduling: bool = True,
-        measure_moe_routing: bool = False,
-    ):
-        if load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-        if not (Path(model) / "config.json").is_file():  # else transformers takes it for a Hub id
-            raise ModelLoadError(f"{model}: not a model directory (no config.json)")
-        hf_config = AutoConfig.from_pretrained(model)
-        model_cfg = ModelConfig.from_hf(hf_config)
-        generation = _generation_config(model)
-        model_cfg = replace(model_cfg, eos_token_ids=tuple(sorted(
-            {*model_cfg.eos_token_ids, *generation["eos"]})))
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        max_model_len = max_model_len or model_cfg.max_position_embeddings
-        max_num_batched_tokens = max_num_batched_tokens or max(8192, max_num_seqs)
-        self.config = EngineConfig(
-            model_path=str(model),
-            model=model_cfg,
-            dtype=_resolve_dtype(dtype, model_cfg.dtype, device),
-            device=device,
-            seed=seed,
-            load_format="dummy" if load_format == "dummy" else "auto",
-            ops_backend=_resolve_backend(ops_backend, device),
-            cudagraph_mode="NONE" if enforce_eager else cudagraph_mode,
-            max_cudagraph_capture_size=max_cudagraph_capture_size,
-            measure_moe_routing=measure_moe_routing,
-            cache=CacheConfig(
-                block_size=block_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-            ),
-            lora=LoRAConfig(
-                max_loras=max_loras if enable_lora else 0,
-                max_lora_rank=max_lora_rank,
-                max_cpu_loras=max_cpu_loras,
-                max_cpu_lora_bytes=max_cpu_lora_bytes,
-                registry=lora_registry,
-                disk_cache_dir=lora_cache_dir,
-                load_workers=lora_load_workers,
-                load_timeout=lora_load_timeout,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-        )
-        self.tokenizer = load_tokenizer(tokenizer or model)
-        self.engine = LLMEngine(self.config, self.tokenizer, max_logprobs=max_logprobs,
-                                async_scheduling=async_scheduling,
-                                default_stop=generation["stop_strings"])
+    def __init__(self, model: str, **kwargs):
+        unknown = kwargs.keys() - {f.name for f in fields(EngineArgs)}
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}; valid: "
+                            f"{', '.join(f.name for f in fields(EngineArgs)[1:])}")
+        self.engine = EngineArgs(model, **kwargs).create_engine()
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -196,20 +107,6 @@ class LLM:
         return None, list(prompt)
 
 
-def load_tokenizer(path: str):
-    """The tokenizer a model directory declares.
-
-    transformers 5 may override a declared generic tokenizer.json with the model type's
-    own tokenizer class; a directory that says tokenizer_class TokenizersBackend or
-    PreTrainedTokenizerFast gets exactly that.
-    """
-    config_file = Path(path) / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
-
-
 def _as_prompt_list(prompts) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -225,38 +122,3 @@ def _broadcast(value, n: int, name: str) -> list:
             raise InvalidRequest(f"{name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
-
-
-def _resolve_backend(name: str, device: str) -> str:
-    if name == "auto":
-        return "triton" if device.startswith("cuda") else "torch"
-    if name not in ("torch", "triton"):
-        raise ValueError(f"ops_backend must be 'auto', 'torch' or 'triton', got {name!r}")
-    return name
-
-
-def _resolve_dtype(dtype: str | torch.dtype, checkpoint: str, device: str) -> str:
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    if dtype == "auto":
-        if device.startswith("cpu"):
-            return "float32"
-        dtype = checkpoint if checkpoint in _DTYPES else "bfloat16"
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def _generation_config(model_dir: str) -> dict:
-    """End-of-sequence tokens and stop strings the model directory declares in
-    generation_config.json (Llama 3 Instruct lists several EOS tokens; a base model
-    served with a plain chat template can name its turn separator as a stop string)."""
-    path = Path(model_dir) / "generation_config.json"
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    eos = data.get("eos_token_id")
-    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
-    stops = []
-    for key in ("stop_strings", STOP_STRINGS_KEY):  # transformers' own, and loraplex's
-        value = data.get(key) or []
-        stops += [value] if isinstance(value, str) else value
-    return {"eos": eos, "stop_strings": tuple(stops)}

@@ -13,19 +13,16 @@ import asyncio
 import json
 import logging
 import socket
-from pathlib import Path
 
-from loraplex.config import CUDAGRAPH_MODES
+from loraplex.engine.args import EngineArgs
 from loraplex.errors import LoraplexError
 
 logger = logging.getLogger("loraplex")
 
-DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "demo_adapters"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="model directory (default: Gemma 3 270M, built on first use)")
+                   help="model directory (default: Gemma 3 270M, built on first use, with its demo "
+                        "adapters)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="one admin key (Authorization: Bearer KEY)")
@@ -38,30 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-demo-adapters", action="store_true",
                    help="serve the default model without its demo adapters")
     p.add_argument("--served-model-name", nargs="*", default=None)
-    p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-cpu-loras", type=int, default=None)
-    p.add_argument("--max-cpu-lora-memory", type=float, default=None, metavar="GIB",
-                   help="byte budget of the host adapter tier, in GiB (besides --max-cpu-loras)")
-    p.add_argument("--lora-registry", default=None, metavar="DIR_OR_URL",
-                   help="registry of named, versioned adapters: requests may name `name[@version]`")
-    p.add_argument("--lora-cache-dir", default=None, help="local disk cache of downloaded adapters")
-    p.add_argument("--lora-load-timeout", type=float, default=120.0,
-                   help="seconds before an adapter that has not loaded fails its requests")
     p.add_argument("--pinned-loras", nargs="*", default=[], metavar="NAME",
                    help="--lora-modules names kept in host memory and a GPU slot for good")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--cudagraph-mode", default="FULL", choices=CUDAGRAPH_MODES,
-                   help="steps replayed from CUDA graphs: decode and mixed steps, decode only, none")
-    p.add_argument("--max-cudagraph-capture-size", type=int, default=2048,
-                   help="the largest mixed step (tokens) replayed from a CUDA graph")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM / SIGINT (a second "
                         "signal ends them at once, each with an explicit error)")
@@ -73,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-write-timeout", type=float, default=60.0,
                    help="seconds a streaming client may accept no data before it is disconnected "
                         "and its request aborted")
+    EngineArgs.add_cli_args(p)
 
 
 def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
@@ -86,57 +62,32 @@ def parse_lora_module(spec: str) -> tuple[str, str, str | None]:
     return name, path, None
 
 
-def demo_adapters() -> list[tuple[str, str]]:
-    """(name, directory) of the LoRA adapters for the default model shipped with loraplex
-    (trained by examples/demo_adapters/train.sh)."""
-    return [(name, str(DEMO_ADAPTERS / name)) for name in ("terse", "json")
-            if (DEMO_ADAPTERS / name / "adapter_config.json").is_file()]
-
-
-def lora_modules(args) -> list[str]:
-    """The --lora-modules specs to serve: the demo adapters when the default model runs and
-    the user named no adapters."""
-    if args.lora_modules or args.model or args.no_demo_adapters:
-        return list(args.lora_modules)
-    return [f"{name}={path}" for name, path in demo_adapters()]
-
-
 def build_server(args):
-    """The engine, the served models and the FastAPI app for `args`."""
+    """The engine, the served models and the FastAPI app for `args` (a model directory:
+    the default model is chosen above, by the `loraplex serve` command)."""
     from loraplex.engine.async_engine import AsyncEngine
-    from loraplex.entrypoints.llm import LLM
-    from loraplex.models.default_model import NAME, default_model_dir
     from loraplex.server.api import Server, build_app
     from loraplex.server.auth import Auth, ServedModels
 
-    model = args.model or str(default_model_dir())
-    llm = LLM(
-        model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        max_cpu_lora_bytes=(None if args.max_cpu_lora_memory is None
-                            else int(args.max_cpu_lora_memory * 2**30)),
-        lora_registry=args.lora_registry, lora_cache_dir=args.lora_cache_dir,
-        lora_load_timeout=args.lora_load_timeout,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-        cudagraph_mode=args.cudagraph_mode, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-    )
-    names = args.served_model_name or [model if args.model else NAME]
-    served = ServedModels(names, llm.engine.adapters.registry if llm.engine.adapters else None)
+    if args.model is None:
+        raise LoraplexError("no model directory to serve")
+    llm_engine = EngineArgs.from_cli_args(args).create_engine()
+    names = args.served_model_name or [args.model]
+    served = ServedModels(names, llm_engine.adapters.registry if llm_engine.adapters else None)
     if args.pinned_loras and len(args.pinned_loras) >= args.max_loras:
         raise SystemExit("--pinned-loras must leave at least one of --max-loras slots free")
-    modules = lora_modules(args)
+    modules = list(args.lora_modules)
     unknown = set(args.pinned_loras) - {parse_lora_module(s)[0] for s in modules}
     if unknown:
         raise SystemExit(f"--pinned-loras names no --lora-modules adapter: {sorted(unknown)}")
     for spec in modules:  # pre-warmed into host memory; broken ones stop the server
         name, path, tenant = parse_lora_module(spec)
         adapter = served.new_adapter(name, path, tenant)
-        llm.engine.load_adapter(adapter.lora, pin=name in args.pinned_loras)
+        llm_engine.load_adapter(adapter.lora, pin=name in args.pinned_loras)
         served.adapters[name] = adapter
-    engine = AsyncEngine(llm.engine)
-    server = Server(engine, llm.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
-                    served, llm.config.scheduler.max_model_len, args.stream_write_timeout)
+    engine = AsyncEngine(llm_engine)
+    server = Server(engine, llm_engine.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
+                    served, llm_engine.config.scheduler.max_model_len, args.stream_write_timeout)
     return server, build_app(server, args.shutdown_timeout, args.public_metrics, args.max_request_bytes)
 
 
@@ -154,10 +105,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """Serve until a signal; `sock`: the listening socket, if the caller bound it already."""
     import uvicorn
 
-    sock = bind(args.host, args.port)
+    sock = sock or bind(args.host, args.port)
     server, app = build_server(args)
 
     class DrainingServer(uvicorn.Server):

@@ -1,0 +1,253 @@
+"""Engine arguments, declared once: `LLM(...)`'s keyword arguments and the engine flags
+of `loraplex serve`, `bench` and `generate`, with vLLM's names.
+
+Each field's metadata holds its help and argparse form, so a flag exists on every
+command or on none; a command that wants another default says so with
+parser.set_defaults. `create_engine_config()` reads the model directory and resolves the
+"auto" values into the frozen EngineConfig; `create_engine()` builds the LLMEngine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from loraplex.config import (
+    CUDAGRAPH_MODES,
+    STOP_STRINGS_KEY,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
+from loraplex.engine.engine import LLMEngine
+from loraplex.engine.tokenizer import load_tokenizer
+from loraplex.errors import ModelLoadError
+from loraplex.models.registry import model_config
+
+DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+OPS_BACKENDS = ("auto", "torch", "triton")
+ENGINE_GROUP = "engine arguments"
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= minimum (a zero or negative count would fail deep
+    inside a run, or hang it)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in "invalid int value: ..."
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _gib_to_bytes(text: str) -> int:
+    """GiB on the command line, bytes in EngineArgs (tests budget a few MiB)."""
+    gib = float(text)
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return int(gib * 2**30)
+
+
+_fraction.__name__ = _gib_to_bytes.__name__ = "float"
+
+
+def _option(default, help: str, flag: str | None = None, **argparse_kwargs):
+    """A field and its command line: the flag (default: --field-name), its help, and
+    argparse's other keywords (type or action, choices, metavar)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "argparse": argparse_kwargs})
+
+
+@dataclass
+class EngineArgs:
+    # Each command declares its model argument itself: serve's is optional (the default
+    # model), bench's may name a bundled config.
+    model: str
+    tokenizer: str | None = _option(None, "tokenizer directory; None: the model's", metavar="DIR")
+    dtype: str | torch.dtype = _option(
+        "auto", "dtype the model runs in; auto: the checkpoint's on a GPU, float32 on CPU (where "
+        "bf16 matmuls are slow)", choices=["auto", *DTYPES])
+    device: str | None = _option(None, "cuda or cpu; None: cuda when there is one")
+    seed: int = _option(0, "seed of dummy weights and of unseeded requests' draws", type=int)
+    load_format: str = _option(
+        "auto", "auto / safetensors: the model directory's weights; dummy: random weights of "
+        "its config's shapes", choices=LOAD_FORMATS)
+    enable_lora: bool = _option(
+        True, "accepted for vLLM's command lines: adapters are on unless --max-loras 0 "
+        "(LLM(enable_lora=False) is max_loras=0)", action="store_true")
+    max_loras: int = _option(8, "GPU adapter slots: distinct adapters in one step; 0 turns "
+                             "adapters off", type=at_least(0))
+    max_lora_rank: int = _option(64, "largest adapter rank served", type=at_least(1))
+    max_cpu_loras: int | None = _option(None, "adapters kept in host memory; None: 4 x "
+                                        "max-loras", type=at_least(1))
+    max_cpu_lora_bytes: int | None = _option(
+        None, "byte budget of the host adapter tier besides --max-cpu-loras, page-locked at "
+        "start: GiB here, bytes in LLM(max_cpu_lora_bytes=...)", flag="--max-cpu-lora-memory",
+        type=_gib_to_bytes, metavar="GIB")
+    lora_registry: str | None = _option(
+        None, "registry of named, versioned adapters: requests may name `name[@version]`",
+        metavar="DIR_OR_URL")
+    lora_cache_dir: str | None = _option(
+        None, "local disk cache of downloaded adapters; None: $LORAPLEX_CACHE/adapters", metavar="DIR")
+    lora_load_workers: int = _option(4, "threads that load adapters", type=at_least(1))
+    lora_load_timeout: float = _option(
+        120.0, "seconds before an adapter that has not loaded fails its requests", type=float)
+    max_num_seqs: int = _option(256, "most sequences in one step", type=at_least(1))
+    max_num_batched_tokens: int | None = _option(
+        None, "most tokens in one step; None: max(8192, max-num-seqs)", type=at_least(1))
+    max_model_len: int | None = _option(
+        None, "longest sequence, prompt and output; None: the model's max_position_embeddings",
+        type=at_least(1))
+    block_size: int = _option(16, "tokens per KV cache page (a power of two)", type=at_least(1))
+    gpu_memory_utilization: float = _option(
+        0.9, "fraction of GPU memory for weights, activations and KV cache", type=_fraction)
+    num_gpu_blocks_override: int | None = _option(
+        None, "KV cache pages, instead of sizing them by memory", type=at_least(1))
+    max_logprobs: int = _option(20, "most logprobs a request may ask for", type=at_least(0))
+    ops_backend: str = _option(
+        "auto", "triton kernels or the plain-torch reference ops; auto: triton on a GPU",
+        choices=OPS_BACKENDS)
+    enforce_eager: bool = _option(False, "replay no step from CUDA graphs", action="store_true")
+    cudagraph_mode: str = _option(
+        "FULL", "steps replayed from CUDA graphs: decode and mixed steps, decode only, none",
+        choices=CUDAGRAPH_MODES)
+    max_cudagraph_capture_size: int = _option(
+        2048, "the largest mixed step (tokens) replayed from a CUDA graph", type=at_least(1))
+    async_scheduling: bool = _option(
+        True, "plan and launch each step before reading the previous one's tokens (host work "
+        "hidden behind the device's)", action=argparse.BooleanOptionalAction)
+    measure_moe_routing: bool = _option(
+        False, "MoE: count the distinct experts each decode step routes to (a few small "
+        "kernels per layer)", action=argparse.BooleanOptionalAction)
+
+    @staticmethod
+    def flag(f) -> str:
+        """A field's flag: vLLM's name, --field-name, unless the field names another."""
+        return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+    @classmethod
+    def cli_fields(cls) -> list:
+        """Every field but model, which each command declares itself."""
+        return [f for f in fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group(
+            ENGINE_GROUP, "the same on serve, bench and generate; LLM()'s keyword arguments")
+        for f in cls.cli_fields():
+            group.add_argument(cls.flag(f), dest=f.name, default=f.default,
+                               help=f.metadata["help"] + " (default: %(default)s)",
+                               **f.metadata["argparse"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen config: the model directory's configs read once, "auto" and None
+        values resolved."""
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
+                             f"got {self.load_format!r}")
+        if not (Path(self.model) / "config.json").is_file():  # else transformers takes it for a Hub id
+            raise ModelLoadError(f"{self.model}: not a model directory (no config.json)")
+        model_cfg = model_config(AutoConfig.from_pretrained(self.model))
+        model_cfg = replace(model_cfg, eos_token_ids=tuple(sorted(
+            {*model_cfg.eos_token_ids, *_generation_config(self.model)["eos"]})))
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return EngineConfig(
+            model_path=str(self.model),
+            model=model_cfg,
+            dtype=_resolve_dtype(self.dtype, model_cfg.dtype, device),
+            device=device,
+            seed=self.seed,
+            load_format="dummy" if self.load_format == "dummy" else "auto",
+            ops_backend=_resolve_backend(self.ops_backend, device),
+            cudagraph_mode="NONE" if self.enforce_eager else self.cudagraph_mode,
+            max_cudagraph_capture_size=self.max_cudagraph_capture_size,
+            measure_moe_routing=self.measure_moe_routing,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            lora=LoRAConfig(
+                max_loras=self.max_loras if self.enable_lora else 0,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+                max_cpu_lora_bytes=self.max_cpu_lora_bytes,
+                registry=self.lora_registry,
+                disk_cache_dir=self.lora_cache_dir,
+                load_workers=self.lora_load_workers,
+                load_timeout=self.lora_load_timeout,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
+                max_model_len=self.max_model_len or model_cfg.max_position_embeddings,
+            ),
+        )
+
+    def create_engine(self) -> LLMEngine:
+        """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings
+        its generation config declares."""
+        config = self.create_engine_config()
+        return LLMEngine(config, load_tokenizer(self.tokenizer or self.model),
+                         max_logprobs=self.max_logprobs, async_scheduling=self.async_scheduling,
+                         default_stop=_generation_config(self.model)["stop_strings"])
+
+
+def _resolve_backend(name: str, device: str) -> str:
+    if name == "auto":
+        return "triton" if device.startswith("cuda") else "torch"
+    if name not in ("torch", "triton"):
+        raise ValueError(f"ops_backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    return name
+
+
+def _resolve_dtype(dtype: str | torch.dtype, checkpoint: str, device: str) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype == "auto":
+        if device.startswith("cpu"):
+            return "float32"
+        dtype = checkpoint if checkpoint in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _generation_config(model_dir: str) -> dict:
+    """End-of-sequence tokens and stop strings the model directory declares in
+    generation_config.json (Llama 3 Instruct lists several EOS tokens; a base model
+    served with a plain chat template can name its turn separator as a stop string)."""
+    path = Path(model_dir) / "generation_config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    eos = data.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    stops = []
+    for key in ("stop_strings", STOP_STRINGS_KEY):  # transformers' own, and loraplex's
+        value = data.get(key) or []
+        stops += [value] if isinstance(value, str) else value
+    return {"eos": eos, "stop_strings": tuple(stops)}
