@@ -86,11 +86,11 @@ def test_slow_slot_copies_change_no_output(llm, tmp_path, monkeypatch):
     runner = llm.engine.runner
     load = runner._load_slots
 
-    def slow(loads):
+    def slow(loads, timed):
         if runner.copy_stream is not None:
             with torch.cuda.stream(runner.copy_stream):
                 torch.cuda._sleep(20_000_000)
-        load(loads)
+        return load(loads, timed)
 
     loras = [LoRARequest(f"s{i}", 500 + i, str(_adapter(llm, tmp_path / f"s{i}", i))) for i in range(12)]
     per_prompt = loras + [None] * 4

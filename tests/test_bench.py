@@ -129,9 +129,13 @@ def test_bench_over_http(fake_server):
 
 def test_step_profile_splits_time_by_kind_of_step():
     from loraplex.bench.profile import step_profile
+    from loraplex.runner.step_outputs import StepTiming
 
-    log = ([(0.006, 32, 0, 0.001, 0.0)] * 20 + [(0.015, 544, 0, 0.002, 0.0)] * 4
-           + [(0.2, 32, 1, 0.1, 0.05), (0.007, 33, 2, 0.003, 0.002)])
+    def step(total_s, tokens, loads, launch_s, slot_s, device=None):
+        return StepTiming(tokens, loads, launch_s, slot_s, total_s, device)
+
+    log = ([step(0.006, 32, 0, 0.001, 0.0)] * 20 + [step(0.015, 544, 0, 0.002, 0.0)] * 4
+           + [step(0.2, 32, 1, 0.1, 0.05), step(0.007, 33, 2, 0.003, 0.002)])
     p = step_profile(log)
     assert p["median_ms"] == 6.0 and p["decode_only"]["steps"] == 20
     assert p["with_prefill"]["steps"] == 4 and p["with_slot_loads"]["steps"] == 2
@@ -148,8 +152,8 @@ def test_step_profile_splits_time_by_kind_of_step():
         def elapsed_time(self, end):
             return end.t - self.t
 
-    timed = step_profile([(0.006, 32, 0, 0.001, 0.0, (Event(1.0), Event(6.5)))] * 3
-                         + [(0.006, 32, 0, 0.001, 0.0)])
+    timed = step_profile([step(0.006, 32, 0, 0.001, 0.0, (Event(1.0), Event(6.5)))] * 3
+                         + [step(0.006, 32, 0, 0.001, 0.0)])
     assert timed["decode_only"]["device_ms"] == 5.5 and timed["decode_only"]["steps"] == 4
 
 

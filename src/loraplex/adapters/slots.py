@@ -1,16 +1,14 @@
 """The GPU adapter slots: stacked LoRA weights that every adapted layer reads.
 
-For each fused projection layer (e.g. qkv_proj) there is one A tensor
-[slices, max_loras, max_rank, in] and one B tensor [max_loras, out, max_rank]; slot s
-of every layer holds the same adapter. Ranks below max_rank are zero-padded, and the
-per-slot rank tells kernels where the real columns end. Loading an adapter is a copy
-into its slot; the base weights are never touched. Columns past an adapter's rank must
-be zero (the reference ops and a projection the adapter does not target read them), so
-a load zeroes exactly what the slot's previous adapter wrote beyond the new one.
-
-MoE experts modules get four more tensors per module, one per expert in every slot
-(layout in ops.MoELoRA); the gate_up rank capacity is 2 x max_rank, as per-expert
-gate_proj/up_proj adapters stack their two ranks there.
+Each adapted layer owns its slots (layers/lora_weights.py: a LoRAWeights per fused
+projection layer, e.g. qkv_proj, with one A [slices, max_loras, max_rank, in] and one B
+[max_loras, out, max_rank]; an ExpertLoRAWeights per experts module, layout in
+ops.MoELoRA); this module allocates and fills them. Slot s of every layer holds the same
+adapter. Ranks below max_rank are zero-padded, and the per-slot rank tells kernels where
+the real columns end. Loading an adapter is a copy into its slot; the base weights are
+never touched. Columns past an adapter's rank must be zero (the reference ops and a
+projection the adapter does not target read them), so a load zeroes exactly what the
+slot's previous adapter wrote beyond the new one.
 """
 
 from __future__ import annotations
@@ -24,12 +22,13 @@ from torch import nn
 
 from loraplex.adapters.peft import LoRAAdapter
 from loraplex.adapters.safetensors_io import TensorFile
+from loraplex.layers.lora_weights import ExpertLoRAWeights, LoRAWeights
 
 
 class AdaptedProjection(Protocol):
     """What slots need to know of a model projection (see models.weights.Projection)."""
 
-    layer: object  # a LoRALinear: .in_features, .output_sizes, .slice_rows(), .lora_a/b
+    layer: object  # a LoRALinear: .in_features, .output_sizes, .slice_rows(), .lora
     slice: int
 
 
@@ -44,7 +43,7 @@ class LoRASlotBuffers:
         experts: Mapping[str, nn.Module] | None = None,
     ):
         self.projections = projections
-        self.experts = dict(experts or {})  # experts module path -> models.moe.Experts
+        self.experts = dict(experts or {})  # experts module path -> layers.moe.Experts
         self.max_loras = max_loras
         self.ranks = [0] * max_loras  # rank of the adapter in each slot, 0 = empty
         self._layer_by_id = {id(p.layer): p.layer for p in projections.values()}
@@ -57,25 +56,16 @@ class LoRASlotBuffers:
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.staging = Staging()
         for layer in self.layers:
-            n_slices = len(layer.output_sizes)
-            layer.lora_a = torch.zeros(
-                n_slices, max_loras, max_rank, layer.in_features, dtype=dtype, device=device
-            )
-            layer.lora_b = torch.zeros(
-                max_loras, sum(layer.output_sizes), max_rank, dtype=dtype, device=device
-            )
+            layer.lora = LoRAWeights.zeros(len(layer.output_sizes), layer.in_features,
+                                           sum(layer.output_sizes), max_loras, max_rank, dtype, device)
         for x in self.experts.values():
-            e, h, i = x.num_experts, x.hidden_size, x.intermediate_size
-            zeros = lambda *shape, e=e: torch.zeros(max_loras, e, *shape, dtype=dtype, device=device)  # noqa: E731
-            x.lora_a_gate_up, x.lora_b_gate_up = zeros(2 * max_rank, h), zeros(2 * i, 2 * max_rank)
-            x.lora_a_down, x.lora_b_down = zeros(max_rank, i), zeros(h, max_rank)
-            x.lora_slot_mask = torch.zeros(max_loras, dtype=torch.int32, device=device)
-            x.lora_ranks = torch.zeros(2, max_loras, dtype=torch.int32, device=device)  # gate_up, down
+            x.lora = ExpertLoRAWeights.zeros(x.num_experts, x.hidden_size, x.intermediate_size,
+                                             max_loras, max_rank, dtype, device)
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.lora_a.nbytes + layer.lora_b.nbytes for layer in self.layers) + sum(
-            t.nbytes for x in self.experts.values() for t in _expert_slots(x))
+        return sum(layer.lora.a.nbytes + layer.lora.b.nbytes for layer in self.layers) + sum(
+            x.lora.nbytes for x in self.experts.values())
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot` (asynchronously from pinned memory, on the current
@@ -92,19 +82,18 @@ class LoRASlotBuffers:
         self.staging.copy_from_file(dsts, adapter.tensors, names, scales)
         dsts, srcs = [], []
         for path, x in self.experts.items():
-            ex = adapter.experts.get(path)
+            w, ex = x.lora, adapter.experts.get(path)
             if ex is None:
-                if slot in x.lora_slots:
-                    x.lora_slots.discard(slot)
-                    x.lora_slot_mask[slot] = 0
-                    x.lora_ranks[:, slot] = 0
+                if slot in w.slots:
+                    w.slots.discard(slot)
+                    w.slot_mask[slot] = 0
+                    w.ranks[:, slot] = 0
                 continue
-            x.lora_slots.add(slot)
-            x.lora_slot_mask[slot] = 1
+            w.slots.add(slot)
+            w.slot_mask[slot] = 1
             ranks = [0, 0]
-            pairs = ((ex.a_gate_up, ex.b_gate_up, x.lora_a_gate_up, x.lora_b_gate_up),
-                     (ex.a_down, ex.b_down, x.lora_a_down, x.lora_b_down))
-            for i, (a, b, sa, sb) in enumerate(pairs):
+            pairs = ((ex.a_gate_up, ex.b_gate_up), (ex.a_down, ex.b_down))
+            for i, ((a, b), (sa, sb)) in enumerate(zip(pairs, w.pairs())):
                 if a is not None:
                     r = ranks[i] = a.shape[1]
                     dsts += (sa[slot, :, :r], sb[slot, :, :, :r])
@@ -112,26 +101,26 @@ class LoRASlotBuffers:
                     written[(path, i)] = r
             # the kernels read A and B up to these ranks (the slot's capacity is 2 x max rank
             # for gate_up: PEFT's fused layout uses half of it)
-            x.lora_ranks[0, slot], x.lora_ranks[1, slot] = ranks  # fills on the device, no sync
+            w.ranks[0, slot], w.ranks[1, slot] = ranks  # fills on the device, no sync
         self.staging.copy(dsts, srcs, [1.0] * len(srcs))
         for (owner, i), old_r in self._written[slot].items():
             r = written.get((owner, i), 0)
             if old_r <= r:
                 continue
             if owner in self.experts:
-                sa, sb = _expert_slots(self.experts[owner])[2 * i : 2 * i + 2]
+                sa, sb = self.experts[owner].lora.pairs()[i]
                 sa[slot, :, r:old_r].zero_()
                 sb[slot, :, :, r:old_r].zero_()
             else:
                 layer = self._layer_by_id[owner]
-                layer.lora_a[i, slot, r:old_r].zero_()
-                layer.lora_b[slot, layer.slice_rows(i), r:old_r].zero_()
+                layer.lora.a[i, slot, r:old_r].zero_()
+                layer.lora.b[slot, layer.slice_rows(i), r:old_r].zero_()
         self._written[slot] = written
         self.ranks[slot] = adapter.rank
         if slot in self.dora_slots:
             for layer in self.layers:
-                if layer.lora_scale is not None:
-                    layer.lora_scale[slot] = 1.0
+                if layer.lora.dora_scale is not None:
+                    layer.lora.dora_scale[slot] = 1.0
             self.dora_slots.discard(slot)
         if adapter.magnitudes:
             self._load_dora(slot, adapter)
@@ -142,7 +131,7 @@ class LoRASlotBuffers:
         key = (id(layer), i, slot, r)
         views = self._views.get(key)
         if views is None:
-            views = (layer.lora_a[i, slot, :r], layer.lora_b[slot, layer.slice_rows(i), :r])
+            views = (layer.lora.a[i, slot, :r], layer.lora.b[slot, layer.slice_rows(i), :r])
             self._views[key] = views
         return views
 
@@ -154,33 +143,36 @@ class LoRASlotBuffers:
             proj = self.projections[module]
             layer, rows = proj.layer, proj.layer.slice_rows(proj.slice)
             r = adapter.shape(adapter.modules[module][0])[0]
-            a = layer.lora_a[proj.slice, slot, :r].float()
-            b = layer.lora_b[slot, rows, :r].float()
+            a = layer.lora.a[proj.slice, slot, :r].float()
+            b = layer.lora.b[slot, rows, :r].float()
             w = layer.weight[rows]
             wa = (w @ a.to(w.dtype).T).float()
             norm2 = (torch.linalg.vector_norm(w, dim=1, dtype=torch.float32) ** 2
                      + 2 * (wa * b).sum(1) + ((b @ (a @ a.T)) * b).sum(1))
-            if layer.lora_scale is None:
-                layer.lora_scale = torch.ones(self.max_loras + 1, layer.weight.shape[0],
-                                              dtype=torch.float32, device=layer.weight.device)
-            layer.lora_scale[slot, rows] = mag.to(layer.lora_scale.device, non_blocking=True) / norm2.sqrt()
+            if layer.lora.dora_scale is None:
+                layer.lora.dora_scale = torch.ones(self.max_loras + 1, layer.weight.shape[0],
+                                                   dtype=torch.float32, device=layer.weight.device)
+            scale = layer.lora.dora_scale
+            scale[slot, rows] = mag.to(scale.device, non_blocking=True) / norm2.sqrt()
         self.dora_slots.add(slot)
 
     def clear(self, slot: int) -> None:
         for layer in self.layers:
-            layer.lora_a[:, slot].zero_()
-            layer.lora_b[slot].zero_()
+            layer.lora.a[:, slot].zero_()
+            layer.lora.b[slot].zero_()
         for x in self.experts.values():
-            for t in _expert_slots(x):
-                t[slot].zero_()
-            x.lora_slots.discard(slot)
-            x.lora_slot_mask[slot] = 0
-            x.lora_ranks[:, slot] = 0
+            w = x.lora
+            for a, b in w.pairs():
+                a[slot].zero_()
+                b[slot].zero_()
+            w.slots.discard(slot)
+            w.slot_mask[slot] = 0
+            w.ranks[:, slot] = 0
         self._written[slot] = {}
         self.ranks[slot] = 0
         for layer in self.layers:
-            if layer.lora_scale is not None:
-                layer.lora_scale[slot] = 1.0
+            if layer.lora.dora_scale is not None:
+                layer.lora.dora_scale[slot] = 1.0
         self.dora_slots.discard(slot)
 
 
@@ -279,6 +271,3 @@ def _one_pinned_buffer(srcs: list[torch.Tensor]) -> bool:
         s.dtype == dtype and s.is_contiguous() and s.untyped_storage().data_ptr() == base
         and (s.data_ptr() - base) % dtype.itemsize == 0 for s in srcs)
 
-
-def _expert_slots(x: nn.Module) -> tuple[torch.Tensor, ...]:
-    return x.lora_a_gate_up, x.lora_b_gate_up, x.lora_a_down, x.lora_b_down

@@ -8,6 +8,8 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+from loraplex.runner.step_outputs import StepTiming
+
 
 @contextmanager
 def compiled_kernels():
@@ -51,7 +53,7 @@ def pinned_allocs() -> dict[str, float] | None:
             "frees": s.get("num_host_free", 0), "free_ms": s.get("host_free_time.total", 0) / 1e3}
 
 
-def step_profile(log: list[tuple]) -> dict:
+def step_profile(steps: list[StepTiming]) -> dict:
     """Where the run's time went, by kind of engine step: decode only, with prefill
     tokens, with adapter slot loads; and the slow steps (over 3x the median). launch_ms:
     the host's time inside runner.launch (planning inputs, slot copies, kernel launches,
@@ -61,32 +63,33 @@ def step_profile(log: list[tuple]) -> dict:
     ends), so a step the host holds up has launch_ms near its total and device_ms well
     under it; copy_wait_ms / copy_ms: on the copy stream, the wait for the slots' last
     readers (the step in flight) and then the slot copies themselves."""
-    if not log:
+    if not steps:
         return {}
-    ms = sorted(r[0] * 1e3 for r in log)
+    ms = sorted(t.total_s * 1e3 for t in steps)
     median = ms[len(ms) // 2]
 
-    def kind(rows):
+    def kind(rows: list[StepTiming]) -> dict:
         n = max(1, len(rows))
-        out = {"steps": len(rows), "total_s": round(sum(r[0] for r in rows), 3),
-               "mean_ms": round(1e3 * sum(r[0] for r in rows) / n, 2),
-               "launch_ms": round(1e3 * sum(r[3] for r in rows) / n, 2),
-               "slot_copy_ms": round(1e3 * sum(r[4] for r in rows) / n, 2)}
-        timed = [r[5] for r in rows if len(r) > 5 and r[5] is not None]
+        out = {"steps": len(rows), "total_s": round(sum(t.total_s for t in rows), 3),
+               "mean_ms": round(1e3 * sum(t.total_s for t in rows) / n, 2),
+               "launch_ms": round(1e3 * sum(t.launch_s for t in rows) / n, 2),
+               "slot_copy_ms": round(1e3 * sum(t.slot_load_s for t in rows) / n, 2)}
+        timed = [t.device for t in rows if t.device is not None]
         if timed:
             out["device_ms"] = round(sum(start.elapsed_time(end) for start, end in timed) / len(timed), 2)
-        copies = [r[6] for r in rows if len(r) > 6 and r[6] is not None]
+        copies = [t.slot_copies for t in rows if t.slot_copies is not None]
         if copies:  # on the copy stream: waiting for the slots' last readers, then copying
             out["copy_wait_ms"] = round(sum(a.elapsed_time(b) for a, b, _ in copies) / len(copies), 2)
             out["copy_ms"] = round(sum(b.elapsed_time(c) for _, b, c in copies) / len(copies), 2)
         return out
 
-    slow = [r for r in log if r[0] * 1e3 > 3 * median]
+    slow = [t for t in steps if t.total_s * 1e3 > 3 * median]
+    n_slow = max(1, len(slow))
     return {
         "median_ms": round(median, 2), "total_s": round(sum(ms) / 1e3, 3),
-        "decode_only": kind([r for r in log if r[1] <= 64 and not r[2]]),
-        "with_prefill": kind([r for r in log if r[1] > 64]),
-        "with_slot_loads": kind([r for r in log if r[2]]),
-        "slow": {**kind(slow), "mean_tokens": round(sum(r[1] for r in slow) / len(slow), 1) if slow else 0,
-                 "mean_slot_loads": round(sum(r[2] for r in slow) / len(slow), 2) if slow else 0},
+        "decode_only": kind([t for t in steps if t.num_tokens <= 64 and not t.num_slot_loads]),
+        "with_prefill": kind([t for t in steps if t.num_tokens > 64]),
+        "with_slot_loads": kind([t for t in steps if t.num_slot_loads]),
+        "slow": {**kind(slow), "mean_tokens": round(sum(t.num_tokens for t in slow) / n_slow, 1),
+                 "mean_slot_loads": round(sum(t.num_slot_loads for t in slow) / n_slow, 2)},
     }

@@ -18,15 +18,14 @@ from loraplex.adapters.manager import AdapterManager
 from loraplex.adapters.registry import Registry
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.adapters.sources import DiskCache
-from loraplex.config import EngineConfig
+from loraplex.config import EngineConfig, cache_root
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import EngineFailure, InvalidRequest, LoRADisabled, PromptTooLong, RequestFailed
-from loraplex.models.default_model import cache_root
 from loraplex.runner.model_runner import ModelRunner
-from loraplex.runner.step_outputs import LaunchedStep
+from loraplex.runner.step_outputs import LaunchedStep, StepTiming
 from loraplex.types import (
     CompletionOutput,
     Logprob,
@@ -67,7 +66,6 @@ class LLMEngine:
             # 5 ms that held up the GPU (1,000 cold adapters, H200: 1,185 -> 1,400 tok/s at
             # 0.5 ms). Loaders also make no torch call per tensor (adapters/safetensors_io.py).
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self.runner.adapters = self.adapters
         self.scheduler = Scheduler(
             config.scheduler,
             BlockManager(self.runner.num_blocks, config.cache.block_size),
@@ -75,9 +73,8 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self.num_steps = 0
-        # (seconds, tokens, adapter slot loads, seconds in runner.launch, of which slot
-        # copies, the step's device events or None) per step while a list (the bench sets one)
-        self.step_log: list[tuple] | None = None
+        # Each step's StepTiming while a list (the bench's step profile sets one).
+        self.step_timings: list[StepTiming] | None = None
 
     def _adapter_manager(self, config: EngineConfig) -> AdapterManager:
         lora = config.lora
@@ -254,10 +251,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = self._poll_adapters()
         plan = self.scheduler.schedule()
-        t_launch = time.perf_counter()
-        self.runner.time_steps = self.step_log is not None
-        launched = self.runner.launch(plan)
-        t_launch = time.perf_counter() - t_launch
+        loads = {slot: self.adapters.get(key) for slot, key in plan.lora_loads.items()}
+        launched = self.runner.launch(plan, loads, timed=self.step_timings is not None)
         self.num_steps += bool(plan.chunks)
         if not plan.chunks and self._in_flight is None and self.adapters and self.adapters.num_loading:
             self.adapters.wait(0.005)  # only loads are pending: do not spin
@@ -267,10 +262,9 @@ class LLMEngine:
             self._in_flight = launched
         else:
             outputs += self._finish_step(launched)
-        if self.step_log is not None and plan.chunks:
-            self.step_log.append((time.perf_counter() - t0, plan.num_tokens, len(plan.lora_loads), t_launch,
-                                  self.runner.slot_load_s, launched.device_events,
-                                  self.runner.slot_copy_events))
+        if launched.timing is not None and plan.chunks:
+            launched.timing.total_s = time.perf_counter() - t0
+            self.step_timings.append(launched.timing)
         return outputs
 
     def _poll_adapters(self) -> list[RequestOutput]:

@@ -2,8 +2,8 @@
 
 A `LoRALinear` fuses several projections that read the same input (q/k/v, gate/up) into
 one matmul with output slices; each slice keeps its Hugging Face / PEFT module name, so
-checkpoints and adapters address slices by those names. Adapter weights are not owned
-here: the adapter slot buffers (adapters/slots.py) attach stacked views.
+checkpoints and adapters address slices by those names. Its adapter slots (`lora`, a
+LoRAWeights) are allocated and filled by the adapter slot buffers (adapters/slots.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
+from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.ops.metadata import LoRABatch
 
 
@@ -32,13 +33,7 @@ class LoRALinear(nn.Module):
         self.slice_names = tuple(slice_names)
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes)), False) if bias else None
-        # Attached by LoRASlotBuffers: A [S, max_loras, R, in], B [max_loras, out, R].
-        self.lora_a: torch.Tensor | None = None
-        self.lora_b: torch.Tensor | None = None
-        # DoRA, once a DoRA adapter is loaded: [max_loras + 1, out] float32 row scales
-        # m / ||W + s B A|| per slot (1 where a slot's adapter is not DoRA); the last row,
-        # all ones, is for base-model tokens.
-        self.lora_scale: torch.Tensor | None = None
+        self.lora: LoRAWeights | None = None  # None: this engine serves no adapters
 
     def slice_rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -46,7 +41,7 @@ class LoRALinear(nn.Module):
 
     def lora_batch(self) -> LoRABatch | None:
         """This step's adapter batch, or None when no adapter applies to this layer now."""
-        if self.lora_a is None:
+        if self.lora is None:
             return None
         lora = get_forward_context().lora
         return lora if lora is not None and lora.active else None
@@ -56,8 +51,8 @@ class LoRALinear(nn.Module):
         if batch is None:
             return F.linear(x, self.weight, self.bias)
         y, buf = self.base_and_shrink(x)
-        ops.lora_expand(buf, self.lora_b, y, self.output_sizes, batch)
-        if batch.dora and self.lora_scale is not None:
+        ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
+        if batch.dora and self.lora.dora_scale is not None:
             y = self._dora_rescale(y, batch.token_slot)
         return y
 
@@ -66,22 +61,23 @@ class LoRALinear(nn.Module):
         the delta (lora_expand, or a consumer op that takes buf)."""
         ctx = get_forward_context()
         if ctx.aux_stream is None:
-            buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
+            buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
             return F.linear(x, self.weight, self.bias), buf
         # Shrink reads only x: run it beside the base matmul. The aux stream always starts
         # by waiting on the main one, so memory it frees is never reused early.
         main = torch.cuda.current_stream()
         ctx.aux_stream.wait_stream(main)
         with torch.cuda.stream(ctx.aux_stream):
-            buf = ops.lora_shrink(x, self.lora_a, ctx.lora)
+            buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
         y = F.linear(x, self.weight, self.bias)
         main.wait_stream(ctx.aux_stream)
         return y, buf
 
     def _dora_rescale(self, y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
         # DoRA: y = scale * (x W^T + s x A^T B^T) + bias, per token with its slot's scale.
-        rows = torch.where(token_slot < 0, self.lora_scale.shape[0] - 1, token_slot)
-        scale = self.lora_scale[rows[: y.shape[0]]]
+        dora_scale = self.lora.dora_scale
+        rows = torch.where(token_slot < 0, dora_scale.shape[0] - 1, token_slot)
+        scale = dora_scale[rows[: y.shape[0]]]
         out = y.float() * scale
         if self.bias is not None:
             out += self.bias.float() * (1 - scale)

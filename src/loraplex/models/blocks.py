@@ -75,11 +75,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         batch = gate_up.lora_batch()
-        if batch is None or (batch.dora and gate_up.lora_scale is not None):
+        if batch is None or (batch.dora and gate_up.lora.dora_scale is not None):
             return self.down_proj(self.act_and_mul(gate_up(x)))
         # The gate/up delta is added inside the activation, not into gate_up's output.
         y, buf = gate_up.base_and_shrink(x)
-        return self.down_proj(ops.lora_act_and_mul(y, buf, gate_up.lora_b, batch, self.activation))
+        return self.down_proj(ops.lora_act_and_mul(y, buf, gate_up.lora.b, batch, self.activation))
 
 
 class DecoderLayer(nn.Module):

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from loraplex.config import ModelConfig
+from loraplex.layers.moe import SparseMoE
 from loraplex.models.blocks import DecoderLayer
 from loraplex.models.dense import DenseCausalLM
-from loraplex.models.moe import SparseMoE
 
 
 class GptOssDecoderLayer(DecoderLayer):

@@ -21,6 +21,7 @@ from loraplex.adapters.experts import ExpertShape
 from loraplex.adapters.peft import AdapterTargets
 from loraplex.errors import ModelLoadError
 from loraplex.layers.linear import LoRALinear
+from loraplex.layers.moe import Experts
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -57,9 +58,9 @@ def projection_index(model: nn.Module) -> dict[str, Projection]:
     return index
 
 
-def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Path -> experts module (models.moe.Experts: fused 3D expert weights)."""
-    return {path: m for path, m in model.named_modules() if hasattr(m, "lora_slots")}
+def expert_modules(model: nn.Module) -> dict[str, Experts]:
+    """Path -> experts module (fused 3D expert weights)."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, Experts)}
 
 
 def adapter_targets(model: nn.Module) -> AdapterTargets:

@@ -11,11 +11,12 @@ import logging
 import math
 import random
 import time
+from collections.abc import Mapping
 
 import torch
 
 from loraplex import ops
-from loraplex.adapters.manager import AdapterManager
+from loraplex.adapters.peft import LoRAAdapter
 from loraplex.adapters.slots import LoRASlotBuffers
 from loraplex.config import EngineConfig
 from loraplex.device import to_device
@@ -33,7 +34,7 @@ from loraplex.models.weights import (
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
-from loraplex.runner.step_outputs import LaunchedStep, concat_logprobs
+from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.types import (
     PENDING_TOKEN,
     SamplingParams,
@@ -50,8 +51,6 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        # Set by the engine once the store exists (the store needs our projection shapes).
-        self.adapters: AdapterManager | None = None
         self.model = self._load_model()
         self.projections = projection_index(self.model)
         self.adapter_targets = adapter_targets(self.model)
@@ -84,9 +83,6 @@ class ModelRunner:
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
         # Adapter copies into GPU slots, and per slot the last step that read it.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.slot_load_s = 0.0  # host time of the last launch's slot copies (bench step profile)
-        self.slot_copy_events: list[torch.cuda.Event] | None = None  # and their device timing
-        self.time_steps = False  # record device timing events around each step (bench step profile)
         if self.device.type == "cuda":
             # cuBLASLt picks better kernels for decode's skinny GEMMs (M = batch): on an
             # H200, o_proj 13.8 -> 11.5 us and down_proj 33.5 -> 31.1 us at M = 32
@@ -125,10 +121,11 @@ class ModelRunner:
             return
         seen = set()
         for layer in self.lora_slots.layers:
-            key = (tuple(layer.lora_a.shape), tuple(layer.lora_b.shape), tuple(layer.output_sizes))
+            w = layer.lora
+            key = (tuple(w.a.shape), tuple(w.b.shape), tuple(layer.output_sizes))
             if key not in seen:
                 seen.add(key)
-                ops.warm_up_lora(layer.lora_a, layer.lora_b, tuple(layer.output_sizes),
+                ops.warm_up_lora(w.a, w.b, tuple(layer.output_sizes),
                                  self.config.scheduler.max_num_batched_tokens)
 
     def reset_moe_routing_stats(self) -> None:
@@ -238,15 +235,21 @@ class ModelRunner:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan) -> StepResult:
+    def run(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter] | None = None) -> StepResult:
         """Execute `plan` and wait for its result."""
-        return self.collect(self.launch(plan))
+        return self.collect(self.launch(plan, loads))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> LaunchedStep:
-        """Queue `plan`'s work on the device; collect() returns its result."""
+    def launch(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter] | None = None,
+               timed: bool = False) -> LaunchedStep:
+        """Queue `plan`'s work on the device; collect() returns its result. `loads`: the
+        adapter of each slot in plan.lora_loads. timed: the step carries its StepTiming."""
+        t0 = time.perf_counter()
         with ops.using_backend(self.config.ops_backend):
-            return self._launch(plan)
+            out = self._launch(plan, loads or {}, timed)
+        if out.timing is not None:
+            out.timing.launch_s = time.perf_counter() - t0
+        return out
 
     def synchronize(self) -> None:
         """Wait for all device work queued so far."""
@@ -256,20 +259,20 @@ class ModelRunner:
     def collect(self, launched: LaunchedStep) -> StepResult:
         return launched.result()
 
-    def _launch(self, plan: StepPlan) -> LaunchedStep:
+    def _launch(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter], timed: bool) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
-        self.slot_load_s = 0.0
-        self.slot_copy_events = None
+        out = LaunchedStep(plan)
+        timing = out.timing = StepTiming(plan.num_tokens, len(plan.lora_loads)) if timed else None
         start = None
-        if self.time_steps and self.device.type == "cuda" and plan.chunks:
+        if timed and self.device.type == "cuda" and plan.chunks:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         if plan.lora_loads:
             t0 = time.perf_counter()
-            self._load_slots(plan.lora_loads)
-            self.slot_load_s = time.perf_counter() - t0
-        out = LaunchedStep(plan)
+            copies = self._load_slots({slot: loads[slot] for slot in plan.lora_loads}, timed)
+            if timing is not None:
+                timing.slot_load_s, timing.slot_copies = time.perf_counter() - t0, copies
         if not plan.chunks:
             return out
         for chunk in plan.chunks:  # the copies this step reads; others run on beside it
@@ -303,7 +306,7 @@ class ModelRunner:
         if start is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            out.device_events = (start, end)
+            timing.device = (start, end)
         if self.copy_stream is not None and inputs.lora is not None:
             done = torch.cuda.Event()
             done.record()
@@ -318,20 +321,19 @@ class ModelRunner:
         self._last_token_ids, self._last_rows = None, {}
         self._request_generators.clear()
 
-    def _load_slots(self, loads: dict[int, str]) -> None:
+    def _load_slots(self, loads: dict[int, LoRAAdapter], timed: bool) -> tuple | None:
         """Copy adapters from pinned host memory into GPU slots on their own stream, so
         the copies overlap the steps running meanwhile; the first step that reads a slot
         waits for its copy (the scheduler runs a request whose adapter is being copied
         in from the next step on, so that is usually done by then). A slot is
         overwritten only after the last step that read it (a request that left that
-        slot may still be in the step in flight)."""
+        slot may still be in the step in flight). timed: returns events marking when
+        the copy stream reached the loads, their slots were free, the copies were done."""
         if self.copy_stream is None:
-            for slot, key in loads.items():
-                self.lora_slots.load(slot, self.adapters.get(key))
-            return
-        # Timed (bench step profile): copy stream reaches the loads, their slots are free,
-        # the copies are done.
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.time_steps else None
+            for slot, adapter in loads.items():
+                self.lora_slots.load(slot, adapter)
+            return None
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if timed else None
         with torch.cuda.stream(self.copy_stream):
             if marks:
                 marks[0].record()
@@ -341,8 +343,7 @@ class ModelRunner:
                     self.copy_stream.wait_event(last_read)
             if marks:
                 marks[1].record()
-            for slot, key in loads.items():
-                adapter = self.adapters.get(key)
+            for slot, adapter in loads.items():
                 self.lora_slots.load(slot, adapter)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
@@ -350,7 +351,7 @@ class ModelRunner:
                 adapter.last_copy = done  # its host buffer is free after this
             if marks:
                 marks[2].record()
-        self.slot_copy_events = marks
+        return tuple(marks) if marks else None
 
     def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
         """Write tokens still in flight (PENDING_TOKEN) from the previous step's device

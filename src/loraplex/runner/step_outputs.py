@@ -17,6 +17,22 @@ from loraplex.types import Logprob, PositionLogprobs, StepPlan, StepResult
 
 
 @dataclass
+class StepTiming:
+    """Where one step's time went (the bench's step profile): host seconds, and on a GPU
+    device events around its work."""
+
+    num_tokens: int
+    num_slot_loads: int  # adapters copied into slots by this step
+    launch_s: float = 0.0  # host time in runner.launch
+    slot_load_s: float = 0.0  # of which, queueing the slot copies
+    total_s: float = 0.0  # the engine's whole step, launch and the previous step's results
+    device: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # around its device work
+    # On the copy stream: it reached the loads, the slots' last readers were done, the
+    # copies were done.
+    slot_copies: tuple[torch.cuda.Event, ...] | None = None
+
+
+@dataclass
 class LaunchedStep:
     plan: StepPlan
     # Sampled rows: plan chunk index, logprobs wanted (None: none), per row.
@@ -29,8 +45,7 @@ class LaunchedStep:
     prompt_lps: TokenLogprobs | None = None
     _host: dict = field(default_factory=dict)
     _event: torch.cuda.Event | None = None
-    # Timing events around the step's device work (when the runner times steps).
-    device_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    timing: StepTiming | None = None  # when launched with timed=True
 
     def start_copies(self) -> None:
         """Queue device-to-host copies of everything the host will read."""

@@ -1,0 +1,87 @@
+"""The mixture-of-experts MLP layer: a router and experts held as fused 3D tensors.
+
+The layout is the one the MoE ops read: gate_up_proj [E, 2I, H] (gate rows, then up
+rows) and down_proj [E, H, I]. The router is a LoRALinear (router LoRA like any
+projection); each token's adapter on its routed experts comes from the experts' slots
+(`Experts.lora`, an ExpertLoRAWeights that adapters/slots.py allocates and fills).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex import ops
+from loraplex.config import ModelConfig
+from loraplex.layers.context import get_forward_context
+from loraplex.layers.linear import LoRALinear
+from loraplex.layers.lora_weights import ExpertLoRAWeights
+from loraplex.ops.metadata import MoELoRA
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool = False):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i), False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h), False) if bias else None
+        self.lora: ExpertLoRAWeights | None = None  # None: this engine serves no adapters
+
+    def step_lora(self) -> MoELoRA | None:
+        """This step's adapters on these experts, or None when no token has one. A CUDA
+        graph is captured before any adapter loads and replayed for any mix: its adapter
+        variant always runs the expert LoRA kernels (slots without expert weights are zero)."""
+        w = self.lora
+        batch = get_forward_context().lora
+        if w is None or batch is None or not batch.active:
+            return None
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing and not any(g.slot in w.slots for g in batch.groups):
+            return None
+        return self._moe_lora(batch.token_slot)
+
+    def _moe_lora(self, token_slot: torch.Tensor) -> MoELoRA:
+        w = self.lora
+        return MoELoRA(w.a_gate_up, w.b_gate_up, w.a_down, w.b_down, token_slot, w.slot_mask, w.ranks)
+
+
+class SparseMoE(nn.Module):
+    """Router (softmax top-k, optionally renormalised) and experts. Returns each token's
+    top_k weighted expert outputs unsummed, [T, top_k, H]: the decoder's next residual
+    add + RMSNorm sums them in its launch."""
+
+    def __init__(self, cfg: ModelConfig, router_name: str = "gate", bias: bool = False):
+        super().__init__()
+        # The router is named as in the checkpoint (Qwen3-MoE, Mixtral: `gate`).
+        self.router_name = router_name
+        setattr(self, router_name, LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias))
+        self.experts = Experts(cfg, bias=bias)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = getattr(self, self.router_name)(x)
+        weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        e, ctx = self.experts, get_forward_context()
+        # [T, top_k, H], unsummed: the next residual add + RMSNorm sums each token's rows.
+        return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
+                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
+                                 ctx.moe_stats, ctx.aux_stream, sum_topk=False)
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Compile the expert kernels that eager steps of up to max_tokens tokens run."""
+        e = self.experts
+        lora = e._moe_lora(e.lora.slot_mask.new_zeros(0)) if e.lora is not None else None
+        ops.warm_up_moe(e.gate_up_proj, e.down_proj, self.top_k, self.renormalize,
+                        self.activation, e.gate_up_proj_bias, e.down_proj_bias, lora,
+                        self.swiglu_limit, max_tokens)
+
+    def warm_up_key(self) -> tuple:
+        """Layers with equal keys compile the same kernel variants."""
+        e = self.experts
+        return (tuple(e.gate_up_proj.shape), e.gate_up_proj.dtype, e.gate_up_proj_bias is not None,
+                e.lora is not None and tuple(e.lora.a_gate_up.shape), self.top_k,
+                self.renormalize, self.activation, self.swiglu_limit)
