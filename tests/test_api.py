@@ -168,7 +168,7 @@ def test_the_default_models_stop_strings_leave_transformers_alone(model_dirs, tm
     mended."""
     from transformers import AutoModelForCausalLM
 
-    from loraplex.models.default_model import STOP_STRINGS, write_stop_strings
+    from loraplex.entrypoints.default_model import STOP_STRINGS, write_stop_strings
 
     d = tmp_path / "model"
     shutil.copytree(model_dirs["qwen3"], d)

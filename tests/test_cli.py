@@ -97,11 +97,11 @@ def test_tune_lists_exactly_the_bundled_moe_configs():
     from transformers import AutoConfig
 
     from loraplex.bench.workload import BUNDLED_CONFIGS, MOE_CONFIGS
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import model_config
 
     for name in BUNDLED_CONFIGS:
         with resources.as_file(resources.files("loraplex.bench") / "configs" / name) as d:
-            moe = bool(ModelConfig.from_hf(AutoConfig.from_pretrained(d)).moe_layers)
+            moe = bool(model_config(AutoConfig.from_pretrained(d)).moe_layers)
         assert moe == (name in MOE_CONFIGS), name
 
 

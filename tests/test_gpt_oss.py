@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from loraplex import SamplingParams
 from loraplex.bench.synthetic import write_random_model
-from loraplex.config import ModelConfig
 from loraplex.errors import UnsupportedModel
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.models.registry import model_config
 
 NUM_NEW = 4
 SP = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0, logprobs=0)
@@ -105,7 +105,7 @@ def test_yarn_rope_matches_transformers(params):
     hf = tiny_config(rope_parameters=params, head_dim=32)
     positions = torch.arange(300)
     cos, sin = GptOssRotaryEmbedding(hf)(torch.zeros(1, dtype=torch.float32), positions[None])
-    rope = ModelConfig.from_hf(hf).rope["full_attention"]
+    rope = model_config(hf).rope["full_attention"]
     ours = RotaryEmbedding(32, 300, rope).cos_sin
     torch.testing.assert_close(ours, torch.cat((cos[0], sin[0]), -1), atol=1e-6, rtol=0)
 
@@ -120,7 +120,7 @@ def test_gpt_oss_20b_config(tmp_path):
     from transformers import AutoConfig
 
     (tmp_path / "config.json").write_text(json.dumps(_bundled_config()))
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    cfg = model_config(AutoConfig.from_pretrained(tmp_path))
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
     assert cfg.layer_types[:2] == ("sliding_attention", "full_attention") and cfg.sliding_window == 128
     assert cfg.layer_window(0) == 128 and cfg.layer_window(1) is None
@@ -130,7 +130,7 @@ def test_gpt_oss_20b_config(tmp_path):
     quantized = {**_bundled_config(), "quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(quantized))
     with pytest.raises(UnsupportedModel, match="mxfp4"):
-        ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+        model_config(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_gpt_oss_dummy_weights(gpt_oss_dir, tmp_path):

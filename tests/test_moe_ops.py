@@ -16,7 +16,8 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference import moe as reference
 
 pytest.importorskip("triton")
-from loraplex.ops.triton import fused_moe, moe_align, moe_configs, tune_moe  # noqa: E402
+from loraplex.bench import tune_moe  # noqa: E402
+from loraplex.ops.triton import fused_moe, moe_align, moe_configs  # noqa: E402
 
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

@@ -380,21 +380,31 @@ def test_drain_ends_unfinished_requests(chat_model):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_default_model_serves_the_demo_adapters():
-    """With no model argument the server adds the demo adapters (unless told otherwise);
-    checked on the parsed flags, without building the default model."""
-    from loraplex.server.run import add_arguments, demo_adapters, lora_modules
+def test_default_model_serves_the_demo_adapters(monkeypatch):
+    """With no model argument `loraplex serve` serves the default model with the demo
+    adapters (unless told otherwise); checked on the parsed flags, without building the
+    default model."""
+    from loraplex.entrypoints import default_model
+    from loraplex.server.run import add_arguments
 
+    monkeypatch.setattr(default_model, "default_model_dir", lambda: Path("/cache/gemma"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    adapters = dict(demo_adapters())
+    adapters = dict(default_model.demo_adapters())
     assert set(adapters) == {"terse", "json"}
     for path in adapters.values():
         assert (Path(path) / "adapter_model.safetensors").stat().st_size < 8 * 2**20
-    assert lora_modules(parser.parse_args([])) == [f"{n}={p}" for n, p in adapters.items()]
-    assert lora_modules(parser.parse_args(["--no-demo-adapters"])) == []
-    assert lora_modules(parser.parse_args(["/some/model"])) == []
-    assert lora_modules(parser.parse_args(["--lora-modules", "mine=/a"])) == ["mine=/a"]
+
+    def served(argv):
+        args = parser.parse_args(argv)
+        default_model.use_default_model(args)
+        return args.model, args.served_model_name, args.lora_modules
+
+    demos = [f"{n}={p}" for n, p in adapters.items()]
+    assert served([]) == ("/cache/gemma", [default_model.NAME], demos)
+    assert served(["--no-demo-adapters"]) == ("/cache/gemma", [default_model.NAME], [])
+    assert served(["/some/model"]) == ("/some/model", None, [])
+    assert served(["--lora-modules", "mine=/a"]) == ("/cache/gemma", [default_model.NAME], ["mine=/a"])
 
 
 def test_demo_adapters_fit_the_default_model(tmp_path):
@@ -403,7 +413,7 @@ def test_demo_adapters_fit_the_default_model(tmp_path):
     from transformers import Gemma3TextConfig
 
     from loraplex.bench.synthetic import write_word_tokenizer
-    from loraplex.server.run import demo_adapters
+    from loraplex.entrypoints.default_model import demo_adapters
 
     local, full = "sliding_attention", "full_attention"
     Gemma3TextConfig(

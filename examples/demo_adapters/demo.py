@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.models.default_model import default_model_dir
-from loraplex.server.run import demo_adapters
+from loraplex.entrypoints.default_model import default_model_dir, demo_adapters
 
 PROMPTS = sys.argv[1:] or [  # none of them is in the training data
     "Who wrote Hamlet?",

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
-MODEL=$($PY -c "from loraplex.models.default_model import default_model_dir; print(default_model_dir())")
+MODEL=$($PY -c "from loraplex.entrypoints.default_model import default_model_dir; print(default_model_dir())")
 OUT=src/loraplex/demo_adapters
 
 $PY examples/demo_adapters/make_data.py

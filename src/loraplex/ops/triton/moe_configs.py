@@ -1,6 +1,6 @@
 """Tuned block configs of the MoE grouped GEMM, read from JSON data files.
 
-One file per device, GEMM shape and dtype, written by `loraplex tune` (tune_moe.py):
+One file per device, GEMM shape and dtype, written by `loraplex tune` (bench/tune_moe.py):
 `moe_gemm_<device>_E<E>_N<N>_K<K>_<dtype>.json`, where the weight is [E, N, K] (the
 gate/up GEMM: N = 2I, K = H; the down GEMM: N = H, K = I). Its keys are token counts,
 its values the kernel's constexprs. A batch takes the entry of the nearest token count.
