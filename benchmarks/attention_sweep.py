@@ -1,37 +1,40 @@
-"""Decode attention (split-KV over the paged cache) on the benchmarked models' shapes,
-each config of the split kernel against the KV bytes' floor.
+"""Decode attention (split-KV over the paged cache) on the benchmarked workloads' shapes:
+every config of the split kernel against the KV bytes' floor.
 
-    python benchmarks/attention_sweep.py [--out results.json] [--bandwidth 4.8e12]
+    python -m benchmarks.attention_sweep [--bandwidth 4.8e12]
 
-Shapes are those of a decode step of `loraplex bench`'s workloads: block tables as wide
-as the engine's (max_model_len), pages in allocation order, contexts of prompt + a few
-tokens. Times are medians of CUDA-graph replays.
+Shapes are those of a decode step of `loraplex bench`'s workloads (heads, KV heads, head
+size, window and sinks from the bundled configs): Qwen3-30B-A3B and gpt-oss-20b at 16
+sequences of 1,650 tokens, Llama-3.1-8B at 32 of 600; block tables as wide as the
+engine's (max_model_len), pages in allocation order. For each shape: the current config,
+then 108 configs (BLOCK_N, warps, stages, target programs); median of CUDA-graph replays,
+us per call; floor = the KV bytes read once at the GPU's data-sheet bandwidth (or
+--bandwidth).
+
+Figure: benchmarks/RESULTS.md, "Decode attention".
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 
-import torch
-import triton
+from benchmarks import harness
 
-from loraplex import ops
-from loraplex.ops.metadata import AttentionBatch
-from loraplex.ops.triton import paged_decode
-
-# name: (seqs, context, max_model_len, q heads, kv heads, head_dim, window, sinks)
-SHAPES = {
-    "qwen3-30b-a3b 16 x 1650": (16, 1650, 2200, 32, 4, 128, None, False),
-    "gpt-oss-20b full 16 x 1650": (16, 1650, 2200, 64, 8, 64, None, True),
-    "gpt-oss-20b window 16 x 1650": (16, 1650, 2200, 64, 8, 64, 128, True),
-    "llama-3.1-8b 32 x 600": (32, 600, 640, 32, 8, 128, None, False),
+# name: (bundled config, seqs, context, max_model_len, sliding-window layers)
+WORKLOADS = {
+    "qwen3-30b-a3b 16 x 1650": ("qwen3-30b-a3b", 16, 1650, 2200, False),
+    "gpt-oss-20b full 16 x 1650": ("gpt-oss-20b", 16, 1650, 2200, False),
+    "gpt-oss-20b window 16 x 1650": ("gpt-oss-20b", 16, 1650, 2200, True),
+    "llama-3.1-8b 32 x 600": ("llama-3.1-8b", 32, 600, 640, False),
 }
 
 
 def make_case(seqs, ctx, max_len, hq, hkv, d, page=16, dev="cuda"):
+    import torch
+
+    from loraplex.ops.metadata import AttentionBatch
+
     width = math.ceil(max_len / page)
     kc = torch.randn(seqs * width, page, hkv, d, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -47,38 +50,55 @@ def make_case(seqs, ctx, max_len, hq, hkv, d, page=16, dev="cuda"):
     return q, kc, vc, batch
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s for the floor")
-    args = p.parse_args()
+def build_parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--shapes", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    harness.add_floor_arguments(p, bandwidth=None)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from loraplex import ops
+
+    # Engine internal: the split-KV decode kernel's module-level tunables.
+    from loraplex.ops.triton import paged_decode
+
+    bandwidth = harness.floors(args).bandwidth
     grid = [dict(BLOCK_N=bn, NUM_WARPS=w, NUM_STAGES=st, TARGET_PROGRAMS=tp)
             for bn, w, st, tp in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), (264, 528, 1056))]
     saved = {k: getattr(paged_decode, k) for k in grid[0]}
     results = []
-    for name, (seqs, ctx, max_len, hq, hkv, d, window, sinks) in SHAPES.items():
+    for name in args.shapes:
+        model, seqs, ctx, max_len, windowed = WORKLOADS[name]
+        shape = harness.model_shape(model)
+        hq, hkv, d = shape.heads, shape.kv_heads, shape.head_dim
+        window = shape.window if windowed else None
         q, kc, vc, batch = make_case(seqs, ctx, max_len, hq, hkv, d)
-        sink = torch.randn(hq, device="cuda") if sinks else None
+        sink = torch.randn(hq, device="cuda") if shape.sinks else None
         keys = min(ctx, window + 63) if window else ctx
-        floor_us = seqs * keys * hkv * d * 2 * 2 / args.bandwidth * 1e6
+        floor_us = seqs * keys * hkv * d * 2 * 2 / bandwidth * 1e6
         with ops.using_backend("triton"):
             ref = ops.paged_attention(q, kc, vc, batch, d**-0.5, window, sink)
             rows = []
-            for setting in [saved] + grid:
-                for k, v in setting.items():
+            try:
+                for setting in [saved] + grid:
+                    for k, v in setting.items():
+                        setattr(paged_decode, k, v)
+                    try:
+                        out = ops.paged_attention(q, kc, vc, batch, d**-0.5, window, sink)
+                        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                        us = 1e3 * harness.graph_ms(
+                            lambda: ops.paged_attention(q, kc, vc, batch, d**-0.5, window, sink), rep=30)
+                    except Exception as exc:  # e.g. out of shared memory
+                        err, us = float("nan"), float("inf")
+                        print(f"  {setting}: {type(exc).__name__}")
+                    rows.append(dict(shape=name, **setting, us=us, floor_us=floor_us, err=err))
+            finally:
+                for k, v in saved.items():
                     setattr(paged_decode, k, v)
-                try:
-                    out = ops.paged_attention(q, kc, vc, batch, d**-0.5, window, sink)
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    us = 1e3 * triton.testing.do_bench_cudagraph(
-                        lambda: ops.paged_attention(q, kc, vc, batch, d**-0.5, window, sink),
-                        rep=30, return_mode="median")
-                except Exception as exc:  # e.g. out of shared memory
-                    err, us = float("nan"), float("inf")
-                    print(f"  {setting}: {type(exc).__name__}")
-                rows.append(dict(shape=name, **setting, us=us, floor_us=floor_us, err=err))
-            for k, v in saved.items():
-                setattr(paged_decode, k, v)
         base, best = rows[0], min(rows[1:], key=lambda r: r["us"])
         results += rows
         print(f"{name}: floor {floor_us:.1f} us; now {base['us']:.1f} us; best {best['us']:.1f} us "
@@ -86,9 +106,7 @@ def main():
         for r in sorted(rows[1:], key=lambda r: r["us"])[:6]:
             print(f"    {r['us']:7.1f} us  BN {r['BLOCK_N']:3d} w {r['NUM_WARPS']} st {r['NUM_STAGES']} "
                   f"tp {r['TARGET_PROGRAMS']:4d}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

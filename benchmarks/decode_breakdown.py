@@ -6,25 +6,20 @@ every MoE pipeline stage and every projection, replayed, and the time between ea
 summed per kind. The events add a little time of their own: compare their total with
 the plain graph's.
 
-    python benchmarks/decode_breakdown.py --model qwen3-30b-a3b --batch 16 --prompt-len 1600 \
+    python -m benchmarks.decode_breakdown --model qwen3-30b-a3b --batch 16 --prompt-len 1600 \
         --adapters 16 --expert-adapters [--routing-stats]
+
+An engine on dummy weights (a bundled config), `--batch` requests of `--prompt-len`
+tokens stepped into their decode phase, without adapters, then with them.
+
+Figure: benchmarks/RESULTS.md, "A decode step op by op".
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
-from pathlib import Path
 
-import torch
-from decode_batch import add_arguments, make_engine, start_decode
-
-from loraplex import ops
-from loraplex.layers.context import ForwardContext, forward_context
-from loraplex.layers.linear import LoRALinear
-from loraplex.ops.triton import fused_moe
-from loraplex.runner.batch_meta import GraphShape
+from benchmarks import harness
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
        "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
@@ -36,12 +31,17 @@ class Marks:
     """(name, start, end) timing events recorded on the current stream during capture."""
 
     def __init__(self):
-        self.marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.marks: list[tuple] = []
+
+    @staticmethod
+    def _event():
+        import torch
+
+        return torch.cuda.Event(enable_timing=True, external=True)
 
     def wrap(self, name, fn):
         def timed(*args, **kwargs):
-            start = torch.cuda.Event(enable_timing=True, external=True)
-            end = torch.cuda.Event(enable_timing=True, external=True)
+            start, end = self._event(), self._event()
             start.record()
             out = fn(*args, **kwargs)
             end.record()
@@ -53,11 +53,11 @@ class Marks:
         state = {}
 
         def pre(mod, args):
-            state["start"] = torch.cuda.Event(enable_timing=True, external=True)
+            state["start"] = self._event()
             state["start"].record()
 
         def post(mod, args, out):
-            end = torch.cuda.Event(enable_timing=True, external=True)
+            end = self._event()
             end.record()
             self.marks.append((name, state.pop("start"), end))
         return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
@@ -72,19 +72,19 @@ def patched(targets):
     return undo
 
 
-def time_graph(replay, iters=50) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay()
-    start.record()
-    for _ in range(iters):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+def breakdown(runner, shape, use: bool, refill, replays: int = 20) -> dict:
+    """The runner's decode forward for `shape` captured again with events around every op,
+    MoE stage and projection; ms per step of each, summed over its calls."""
+    import torch
 
+    from loraplex import ops
+    from loraplex.layers.context import ForwardContext, forward_context
+    from loraplex.layers.linear import LoRALinear
+    from loraplex.ops.triton import fused_moe
 
-def breakdown(runner, shape: GraphShape, use: bool, refill, replays: int = 20) -> dict:
     marks = Marks()
+    # Engine internals: the runner's graph inputs, streams, MoE stats and model; the
+    # module names of the blocks.
     with torch.inference_mode(), ops.using_backend(runner.config.ops_backend):
         step = runner.inputs.graph_inputs(shape, use)
         ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=runner.aux_stream,
@@ -112,7 +112,7 @@ def breakdown(runner, shape: GraphShape, use: bool, refill, replays: int = 20) -
                     h.remove()
                 patched(undo)
     refill()  # graph_inputs padded the buffers: a real step fills them again
-    total = time_graph(graph.replay)
+    total = harness.events_ms(graph.replay, repeats=50)
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     for _ in range(replays):
@@ -128,23 +128,27 @@ def breakdown(runner, shape: GraphShape, use: bool, refill, replays: int = 20) -
                         "us_per_call": 1e3 * sums[n] / counts[n]} for n in order}}
 
 
-def main():
-    p = argparse.ArgumentParser()
-    add_arguments(p)
+def build_parser():
+    p = harness.parser(__doc__)
+    harness.add_engine_arguments(p)
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
-    p.add_argument("--out", default=None, help="JSON results")
-    args = p.parse_args()
+    return p
 
-    engine, runner, loras = make_engine(args, measure_moe_routing=args.routing_stats)
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+
+    engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,
                "routing_stats": args.routing_stats, "runs": {}}
     runs = [("base", False)] + ([(f"{args.adapters} adapters", True)] if args.adapters else [])
     for label, use in runs:
-        start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
+        harness.start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
         torch.cuda.synchronize()
         shape = runner.graphs.shape_for(args.batch, args.batch)
-        plain = time_graph(lambda: runner.graphs.replay(shape, use))
+        plain = harness.events_ms(lambda: runner.graphs.replay(shape, use), repeats=50)
 
         def refill():
             for _ in range(2):
@@ -158,12 +162,8 @@ def main():
         print(f"  {'op':44s} {'ms/step':>8s} {'calls':>6s} {'us/call':>8s}")
         for name, r in run["ops"].items():
             print(f"  {name:44s} {r['ms_per_step']:8.3f} {r['calls']:6d} {r['us_per_call']:8.2f}")
-        for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-            engine.abort_request(r.request_id)
-        while engine.has_unfinished_requests():
-            engine.step()
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        harness.abort_all(engine, drain=True)
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,48 @@
-"""MoE layer kernels against their memory floor, and a quick decode-size tuning pass.
+"""MoE experts: one layer's fused experts against the bandwidth floor, the expert adapters
+of a decode step, and a quick decode-size tuning pass.
 
-For each model's expert shapes and token count: the time of ops.fused_experts (Triton,
-with and without expert adapters), the bytes of the experts that routing touched
-(each read once is the floor) and the fraction of the GPU's bandwidth that reaches.
-With --tune, the grouped GEMM's block configs are tuned for the given token counts on a
-reduced search space (`loraplex tune` runs the full one) and written to --config-dir;
-the timings are then taken again with them.
+    python -m benchmarks.moe_kernels [--sections layer decode-lora] [--tokens 1 16 64 2048]
+    python -m benchmarks.moe_kernels --sections layer --tune 16 --config-dir DIR
 
-    python benchmarks/moe_kernels.py [--tokens 16] [--tune --config-dir DIR]
+Shapes: the bundled MoE configs (Qwen3-30B-A3B, gpt-oss-20b).
+
+Sections:
+  layer        ops.fused_experts (Triton) for each token count, without and with 16
+               rank-16 expert adapters: eager calls (CUDA events, median of 20 means of
+               10 calls: small token counts include ~0.15-0.3 ms of launches), against the
+               touched experts' bytes read once at the GPU's data-sheet bandwidth
+               (--bandwidth to change). With --tune, the grouped GEMM's block configs are
+               first tuned for those token counts on a reduced search space (`loraplex
+               tune` runs the full one), written to --config-dir, and the layer is timed
+               again with them.
+  decode-lora  the expert adapters of a decode step (16 tokens, 16 adapters on every
+               expert): 6 layers of distinct weights in one CUDA graph, us per layer: base
+               experts, + adapters per (token, expert) pair (GEMV form, the decode path;
+               programs per pair swept) and aligned by (slot, expert) (the prefill form),
+               the alignment and the per-pair kernels alone with their tunables.
+
+Figures: benchmarks/RESULTS.md, "One MoE layer" (layer) and "Expert adapters in decode"
+(decode-lora).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-import torch
+from benchmarks import harness
 
-SHAPES = {  # name: (experts, hidden, intermediate, top_k)
-    "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "gpt-oss-20b": (32, 2880, 2880, 4),
-}
-PEAK_GBS = {"H200": 4800, "H100": 3350}
+SECTIONS = ("layer", "decode-lora")
 
 
-def bench(name, t, rank=16, slots=16):
+def layer_case(name: str, t: int, bandwidth: float, rank=16, slots=16) -> dict:
+    import torch
+
     from loraplex import ops
     from loraplex.ops.metadata import MoELoRA
     from loraplex.ops.triton import fused_experts
-    from loraplex.ops.triton.tune_moe import time_ms
 
-    e, h, i, k = SHAPES[name]
+    e, h, i, k = harness.model_shape(name).expert_shape()
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator(dev).manual_seed(0)
     w_gu = (torch.randn(e, 2 * i, h, device=dev, generator=gen) * 0.02).to(dt)
@@ -45,44 +56,174 @@ def bench(name, t, rank=16, slots=16):
                    torch.randn(slots, e, rank, i, device=dev, dtype=dt) * 0.01,
                    torch.randn(slots, e, h, rank, device=dev, dtype=dt) * 0.01,
                    torch.arange(t, device=dev, dtype=torch.int32) % slots)
-    base = time_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d))
-    with_lora = time_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d, lora=lora))
-    gpu = next((g for g in PEAK_GBS if g in torch.cuda.get_device_name()), "H100")
-    floor_ms = floor_bytes / PEAK_GBS[gpu] / 1e6
+    base = harness.events_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d), repeats=20, inner=10)
+    with_lora = harness.events_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d, lora=lora),
+                                  repeats=20, inner=10)
+    floor_ms = floor_bytes / bandwidth * 1e3
     print(f"{name} T={t}: {touched}/{e} experts, {floor_bytes / 2**20:.0f} MiB; base {base * 1e3:.1f} us "
-          f"({floor_ms / base:.0%} of the {gpu} bandwidth floor {floor_ms * 1e3:.1f} us), "
-          f"with 16 adapters {with_lora * 1e3:.1f} us")
+          f"({floor_ms / base:.0%} of the floor {floor_ms * 1e3:.1f} us at {bandwidth / 1e12:.2f} TB/s), "
+          f"with {slots} adapters {with_lora * 1e3:.1f} us", flush=True)
+    return dict(model=name, tokens=t, experts_hit=touched, floor_us=floor_ms * 1e3, base_us=base * 1e3,
+                frac=floor_ms / base, adapters_us=with_lora * 1e3)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 2048])
-    p.add_argument("--tune", type=int, nargs="*", default=None, help="token counts to tune")
-    p.add_argument("--config-dir", default=None)
-    args = p.parse_args()
+def tune(token_counts: list[int], config_dir: Path) -> None:
+    """The grouped GEMM's configs tuned for `token_counts` on ~1/4 of `loraplex tune`'s
+    search space (pipelines of 3-4 stages), written to config_dir and loaded."""
+    import torch
+
+    # Engine internal: the tuner's candidate list and entry point, and the config cache.
+    import loraplex.bench.tune_moe as tm
+    from loraplex.ops.triton import moe_configs
+
+    full = tm.candidates
+
+    def reduced(*a, **kw):
+        return [c for c in full(*a, **kw) if c["num_stages"] in (3, 4)]
+
+    tm.candidates = reduced
+    try:
+        for name in harness.moe_configs():
+            e, h, i, k = harness.model_shape(name).expert_shape()
+            tm.tune(e, h, i, k, torch.bfloat16, token_counts, config_dir)
+    finally:
+        tm.candidates = full
+    moe_configs.load_configs.cache_clear()
+
+
+def decode_lora(name: str, layers=6, t=16, slots=16, rank=16) -> list[dict]:
+    """Expert adapters in a decode step, us per layer (see the module docstring)."""
+    import torch
+
+    from loraplex import ops
+    from loraplex.ops.metadata import MoELoRA
+
+    # Engine internals: the pipeline's form switch and the per-pair kernel's tunables.
+    from loraplex.ops.triton import fused_moe, moe_lora_gemv
+    from loraplex.ops.triton.moe_align import align_lora
+    from loraplex.ops.triton.moe_lora import moe_lora
+
+    e, h, i, k = harness.model_shape(name).expert_shape()
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator(dev).manual_seed(0)
+    rows = []
+
+    def timed(label, fn):
+        us = harness.graph_ms(fn, rep=200, per=layers) * 1e3
+        rows.append(dict(model=name, case=label, us_per_layer=us))
+        print(f"{name:14s} {label:64s} {us:8.2f} us", flush=True)
+
+    w_gu = [(torch.randn(e, 2 * i, h, device=dev, generator=gen) * 0.02).to(dt) for _ in range(layers)]
+    w_d = [(torch.randn(e, h, i, device=dev, generator=gen) * 0.02).to(dt) for _ in range(layers)]
+    loras = [MoELoRA(torch.randn(slots, e, 2 * rank, h, device=dev, dtype=dt) * 0.02,
+                     torch.randn(slots, e, 2 * i, 2 * rank, device=dev, dtype=dt) * 0.02,
+                     torch.randn(slots, e, rank, i, device=dev, dtype=dt) * 0.02,
+                     torch.randn(slots, e, h, rank, device=dev, dtype=dt) * 0.02,
+                     torch.arange(t, device=dev, dtype=torch.int32) % slots,
+                     torch.ones(slots, device=dev, dtype=torch.int32),
+                     torch.full((2, slots), rank, device=dev, dtype=torch.int32).mul_(
+                         torch.tensor([[2], [1]], device=dev, dtype=torch.int32)))
+             for _ in range(layers)]
+    x = torch.randn(t, h, device=dev, generator=gen).to(dt)
+    weights, ids = ops.route_experts(torch.randn(t, e, device=dev, generator=gen), k, True)
+
+    def run(with_lora):
+        for j in range(layers):
+            fused_moe.fused_experts(x, weights, ids, w_gu[j], w_d[j], lora=loras[j] if with_lora else None)
+
+    timed("base experts", lambda: run(False))
+    out_gemv = fused_moe.fused_experts(x, weights, ids, w_gu[0], w_d[0], lora=loras[0])
+    timed("+ adapters, per pair (auto n_split)", lambda: run(True))
+    orig = moe_lora_gemv.splits_per_pair
+    try:
+        for ns in (1, 2):
+            moe_lora_gemv.splits_per_pair = lambda *a, ns=ns: ns
+            timed(f"+ adapters, per pair, n_split {ns}", lambda: run(True))
+    finally:
+        moe_lora_gemv.splits_per_pair = orig
+    gemv_max = fused_moe.GEMV_MAX_TOKENS
+    fused_moe.GEMV_MAX_TOKENS = 0
+    try:
+        out_aligned = fused_moe.fused_experts(x, weights, ids, w_gu[0], w_d[0], lora=loras[0])
+        timed("+ adapters, aligned by (slot, expert)", lambda: run(True))
+    finally:
+        fused_moe.GEMV_MAX_TOKENS = gemv_max
+    diff = ((out_gemv.float() - out_aligned.float()).norm() / out_aligned.float().norm()).item()
+    print(f"  per pair vs aligned: rel diff {diff:.2e}")
+    # Kernels alone, gate/up projection.
+    p = t * k
+    delta = torch.empty(p, 2 * i, device=dev, dtype=torch.float32)
+    timed("  align_lora alone",
+          lambda: [align_lora(ids, lo.token_slot, e, slots, 16, lo.slot_mask) for lo in loras])
+    al = align_lora(ids, loras[0].token_slot, e, slots, 16, loras[0].slot_mask)
+    timed("  moe_lora gate_up (aligned) alone",
+          lambda: [moe_lora(x, lo.a_gate_up, lo.b_gate_up, delta, al, k, lo.ranks[0]) for lo in loras])
+    # The per-pair kernel's tunables, on the gate/up and down projections alone.
+    h_in = torch.randn(p, i, device=dev, dtype=dt)
+    delta_d = torch.empty(p, h, device=dev, dtype=torch.float32)
+    knobs = ("A_TILE", "B_TILE", "NUM_WARPS", "NUM_STAGES", "splits_per_pair")
+    orig = {kn: getattr(moe_lora_gemv, kn) for kn in knobs}
+    try:
+        for bk, bn, warps, stages, ns in [(16384, 8192, 8, 3, None), (16384, 8192, 8, 4, None),
+                                          (16384, 4096, 8, 3, None), (8192, 8192, 8, 3, None),
+                                          (16384, 16384, 8, 3, None), (32768, 8192, 8, 2, None),
+                                          (16384, 8192, 4, 3, None), (16384, 8192, 8, 3, 2)]:
+            for kn, v in zip(knobs, (bk, bn, warps, stages, orig["splits_per_pair"] if ns is None else
+                                     (lambda *a, ns=ns: ns))):
+                setattr(moe_lora_gemv, kn, v)
+            tag = f"A{bk} B{bn} w{warps} stages {stages} split {ns or 'auto'}"
+            try:
+                gemv = moe_lora_gemv.moe_lora_gemv
+                timed(f"  moe_lora_gemv gate_up alone {tag}",
+                      lambda: [gemv(x, ids, lo.token_slot, lo.slot_mask, lo.ranks[0], lo.a_gate_up,
+                                    lo.b_gate_up, delta, k) for lo in loras])
+                timed(f"  moe_lora_gemv down alone {tag}",
+                      lambda: [gemv(h_in, ids, lo.token_slot, lo.slot_mask, lo.ranks[1], lo.a_down,
+                                    lo.b_down, delta_d, 1) for lo in loras])
+            except Exception as exc:  # e.g. out of shared memory
+                print(name, tag, type(exc).__name__, exc)
+    finally:
+        for kn, v in orig.items():
+            setattr(moe_lora_gemv, kn, v)
+    return rows
+
+
+def build_parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 2048], help="layer: token counts")
+    p.add_argument("--tune", type=int, nargs="*", default=None, help="layer: token counts to tune first")
+    p.add_argument("--config-dir", type=Path, default=None,
+                   help="MoE GEMM configs to read (LORAPLEX_MOE_CONFIG_DIR) and, with --tune, write")
+    harness.add_floor_arguments(p, bandwidth=None)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.tune and not args.config_dir:
+        raise SystemExit("--tune needs --config-dir (where the tuned configs go)")
     if args.config_dir:
-        os.environ["LORAPLEX_MOE_CONFIG_DIR"] = args.config_dir
-    for name in SHAPES:
-        for t in args.tokens:
-            bench(name, t)
-    if args.tune:
-        import loraplex.ops.triton.tune_moe as tm
+        os.environ["LORAPLEX_MOE_CONFIG_DIR"] = str(args.config_dir)
+    import torch
 
-        full = tm.candidates
-
-        def reduced(*a, **kw):  # pipelines of 3-4 stages, 4 warps at most 8: ~1/4 of the space
-            return [c for c in full(*a, **kw) if c["num_stages"] in (3, 4)]
-
-        tm.candidates = reduced
-        for e, h, i, k in SHAPES.values():
-            tm.tune(e, h, i, k, torch.bfloat16, args.tune, Path(args.config_dir))
-        from loraplex.ops.triton import moe_configs
-
-        moe_configs.load_configs.cache_clear()
-        print("tuned:")
-        for name in SHAPES:
-            for t in args.tokens:
-                bench(name, t)
+    bandwidth = harness.floors(args).bandwidth
+    results = {}
+    if "layer" in args.sections:
+        results["layer"] = [layer_case(name, t, bandwidth)
+                            for name in harness.moe_configs() for t in args.tokens]
+        if args.tune:
+            tune(args.tune, args.config_dir)
+            print("tuned:")
+            results["layer_tuned"] = [layer_case(name, t, bandwidth)
+                                      for name in harness.moe_configs() for t in args.tokens]
+    if "decode-lora" in args.sections:
+        torch.manual_seed(0)
+        results["decode_lora"] = []
+        for name in harness.moe_configs():
+            results["decode_lora"] += decode_lora(name)
+            torch.cuda.empty_cache()
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

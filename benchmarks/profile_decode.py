@@ -1,21 +1,28 @@
-"""Where a decode step's time goes: wall time per engine step vs. GPU time of the graph
-replay alone, and the per-kernel breakdown of the replay (torch.profiler).
+"""Where a decode step's time goes: wall time per engine step against the device time of
+its CUDA-graph replay alone, the device time of each part of a step (graph, LM head,
+sampling, input uploads, token feed), a host profile (cProfile) and the kernels of the
+step (torch.profiler); without adapters, then with them.
 
-    python benchmarks/profile_decode.py [--model llama-3.1-8b] [--batch 32] [--adapters 32]
+    python -m benchmarks.profile_decode [--model llama-3.1-8b] [--batch 32] [--adapters 32]
+
+An engine on dummy weights (a bundled config), `--batch` requests of `--prompt-len`
+tokens (request i on adapter i mod N), stepped into their decode phase first.
+
+Figure: benchmarks/RESULTS.md, "One decode step" (graph replay, parts of a step).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import torch
-from decode_batch import add_arguments, make_engine, start_decode
+from benchmarks import harness
 
 
 def step_parts(engine, runner, steps: int) -> dict[str, float]:
     """Device time of each part of a step (events around the runner's calls; the graph
     replay, the logits, the sampling, and the input uploads before them), ms per step."""
+    import torch
+
     from loraplex.runner import model_runner
 
     spans: dict[str, list] = {}
@@ -34,61 +41,67 @@ def step_parts(engine, runner, steps: int) -> dict[str, float]:
         setattr(owner, name, timed)
         return owner, name, fn
 
+    # Engine internals: the runner's input buffers, token feed, LM head, sampler and graphs.
     saved = [wrap(runner.inputs, "prepare", "inputs"), wrap(runner, "_feed_pending_tokens", "feed tokens"),
              wrap(runner.model, "compute_logits", "logits (LM head)"),
              wrap(model_runner, "sample", "sampling")]
     if runner.graphs is not None:
         saved.append(wrap(runner.graphs, "replay", "graph"))
     first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    first.record()
-    for _ in range(steps):
-        engine.step()
-    last.record()
-    torch.cuda.synchronize()
-    for owner, name, fn in saved:
-        setattr(owner, name, fn)
+    try:
+        torch.cuda.synchronize()
+        first.record()
+        for _ in range(steps):
+            engine.step()
+        last.record()
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
     parts = {part: sum(a.elapsed_time(b) for a, b in pairs) / steps for part, pairs in spans.items()}
     parts["whole step"] = first.elapsed_time(last) / steps
     return parts
 
 
-def main():
-    p = argparse.ArgumentParser()
-    add_arguments(p)
+def build_parser():
+    p = harness.parser(__doc__)
+    harness.add_engine_arguments(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: the profiler then sees every kernel of the step")
-    args = p.parse_args()
+    return p
 
-    engine, runner, loras = make_engine(args, enforce_eager=args.enforce_eager)
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import cProfile
+    import pstats
+
+    import torch
+
+    engine, runner, loras = harness.decode_engine(args, enforce_eager=args.enforce_eager)
+    results = {}
     for label, use in [("base", False), (f"{args.adapters} adapters", True)]:
-        start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 3 * args.steps + 60)
+        harness.start_decode(engine, label, args.batch, args.prompt_len, loras if use else [],
+                             3 * args.steps + 60)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
+        torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
-
+        run = {"engine_step_ms": wall}
         if runner.graphs is not None:
             size = runner.graphs.shape_for(args.batch, args.batch)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            runner.graphs.replay(size, use)
-            start.record()
-            for _ in range(20):
-                runner.graphs.replay(size, use)
-            end.record()
-            torch.cuda.synchronize()
-            gpu = start.elapsed_time(end) / 20
+            gpu = harness.events_ms(lambda: runner.graphs.replay(size, use), repeats=20)
+            run["graph_replay_ms"] = gpu
             print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
                   f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")
         else:
             print(f"[{label}] engine step {wall:.3f} ms wall (eager)")
+        run["parts_ms"] = step_parts(engine, runner, args.steps)
         print(f"[{label}] device ms per step by part: " + ", ".join(
-            f"{part} {ms:.3f}" for part, ms in step_parts(engine, runner, args.steps).items()))
-
-        import cProfile
-        import pstats
+            f"{part} {ms:.3f}" for part, ms in run["parts_ms"].items()))
 
         cpu = cProfile.Profile()
         cpu.enable()
@@ -102,8 +115,9 @@ def main():
                 engine.step()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=32, max_name_column_width=70))
-        for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-            engine.abort_request(r.request_id)
+        results[label] = run
+        harness.abort_all(engine)
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

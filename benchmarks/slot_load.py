@@ -5,7 +5,9 @@ Llama-3.1-8B shapes, rank 16 on all seven projections (84 MB in bf16), the adapt
 tensors views of one pinned buffer as a loaded adapter's are. Compares one copy_ per
 tensor with the batched copy (adapters/slots.py BATCHED_COPIES).
 
-    python benchmarks/slot_load.py
+    python -m benchmarks.slot_load [--loads 12]
+
+Figure: benchmarks/RESULTS.md, "Slot loads" (host and GPU ms per load).
 """
 
 from __future__ import annotations
@@ -13,22 +15,16 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
+from benchmarks import harness
 
-from loraplex.adapters import slots as slots_mod
-from loraplex.adapters.peft import LoRAAdapter
-
-LAYERS, HIDDEN, INTER, KV, RANK, SLOTS = 32, 4096, 14336, 1024, 16, 32
+RANK, SLOTS = 16, 32
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-SIZES = {"q_proj": HIDDEN, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER,
-         "up_proj": INTER, "down_proj": HIDDEN}
-IN = {"qkv_proj": HIDDEN, "o_proj": HIDDEN, "gate_up_proj": HIDDEN, "down_proj": INTER}
 
 
 class Layer:  # what the slots read of a LoRALinear
     def __init__(self, in_features, output_sizes):
-        self.in_features, self.output_sizes, self.lora_scale = in_features, output_sizes, None
+        self.in_features, self.output_sizes, self.lora = in_features, output_sizes, None
 
     def slice_rows(self, i):
         start = sum(self.output_sizes[:i])
@@ -40,14 +36,32 @@ class Proj:
         self.layer, self.slice = layer, i
 
 
-def main():
+def build_parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--model", default="llama-3.1-8b", help="a dense bundled config (default: %(default)s)")
+    p.add_argument("--loads", type=int, default=12, help="loads per variant (the first 2 untimed)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+
+    # Engine internals: the slot buffers, their batched-copy switch, the adapter record,
+    # and (below) LoRALinear's slots (`lora.a` / `lora.b`) the check reads back.
+    from loraplex.adapters import slots as slots_mod
+    from loraplex.adapters.peft import LoRAAdapter
+
+    shape = harness.model_shape(args.model)
+    sizes = {m.rsplit(".", 1)[1]: io for m, io in shape.modules().items() if m.startswith("model.layers.0.")}
     dev = torch.device("cuda")
     projections = {}
-    for n in range(LAYERS):
-        for fused, parts in FUSED.items():
-            layer = Layer(IN[fused], [SIZES[p] for p in parts])
+    for n in range(shape.layers):
+        for parts in FUSED.values():
+            layer = Layer(sizes[parts[0]][0], [sizes[p][1] for p in parts])
             for i, p in enumerate(parts):
-                projections[f"model.layers.{n}.{p}"] = Proj(layer, i)
+                prefix = "mlp" if p in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                projections[f"model.layers.{n}.{prefix}.{p}"] = Proj(layer, i)
     slots = slots_mod.LoRASlotBuffers(projections, SLOTS, RANK, torch.bfloat16, dev)
     numel = sum(RANK * (p.layer.in_features + p.layer.output_sizes[p.slice]) for p in projections.values())
     buf = torch.randn(numel, pin_memory=True).to(torch.bfloat16).pin_memory()
@@ -60,28 +74,39 @@ def main():
     modules = {m: (f"{m}.A", f"{m}.B", 2.0) for m in weights}  # scaling 2: alpha = 2r
     adapter = LoRAAdapter("k", "a", "", RANK, tensors, modules)
     stream = torch.cuda.Stream()
-    for batched in (False, True, False, True):
-        slots_mod.BATCHED_COPIES = batched
-        host, gpu = [], []
-        for it in range(12):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            with torch.cuda.stream(stream):
-                start.record()
-                t0 = time.perf_counter()
-                slots.load(it % SLOTS, adapter)
-                host.append(time.perf_counter() - t0)
-                end.record()
-            end.synchronize()
-            gpu.append(start.elapsed_time(end))
-        want = torch.cat([w.flatten() * s for a, b in weights.values() for w, s in ((a, 1), (b, 2))]).to(dev)
-        got = torch.cat([torch.cat((p.layer.lora_a[p.slice, 11 % SLOTS].flatten(),
-                                    p.layer.lora_b[11 % SLOTS, p.layer.slice_rows(p.slice)].flatten()))
-                         for p in projections.values()])
-        assert torch.equal(got, want), "slot contents differ from the adapter"
-        label = "batched" if batched else "per tensor"
-        print(f"{label:10s}: host {statistics.median(host[2:]) * 1e3:7.2f} ms, "
-              f"GPU {statistics.median(gpu[2:]):7.2f} ms per load ({buf.nbytes / 2**20:.0f} MiB)")
+    results = []
+    saved = slots_mod.BATCHED_COPIES
+    try:
+        for batched in (False, True, False, True):
+            slots_mod.BATCHED_COPIES = batched
+            host, gpu = [], []
+            for it in range(args.loads):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(stream):
+                    start.record()
+                    t0 = time.perf_counter()
+                    slots.load(it % SLOTS, adapter)
+                    host.append(time.perf_counter() - t0)
+                    end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end))
+            last = (args.loads - 1) % SLOTS
+            want = torch.cat([w.flatten() * s for a, b in weights.values()
+                              for w, s in ((a, 1), (b, 2))]).to(dev)
+            got = torch.cat([torch.cat((p.layer.lora.a[p.slice, last].flatten(),
+                                        p.layer.lora.b[last, p.layer.slice_rows(p.slice)].flatten()))
+                             for p in projections.values()])
+            assert torch.equal(got, want), "slot contents differ from the adapter"
+            label = "batched" if batched else "per tensor"
+            row = dict(copies=label, host_ms=statistics.median(host[2:]) * 1e3,
+                       gpu_ms=statistics.median(gpu[2:]), MiB=buf.nbytes / 2**20)
+            results.append(row)
+            print(f"{label:10s}: host {row['host_ms']:7.2f} ms, GPU {row['gpu_ms']:7.2f} ms per load "
+                  f"({row['MiB']:.0f} MiB)")
+    finally:
+        slots_mod.BATCHED_COPIES = saved
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

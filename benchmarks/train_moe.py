@@ -6,32 +6,39 @@ hidden 2048, expert intermediate 768), --layers of them, a small vocabulary (the
 is not what is measured), dummy weights in bf16. Per sequence length: median time of a
 forward + backward over --repeats steps after a warm-up step, and peak GPU memory.
 
-    python benchmarks/train_moe.py [--layers 2] [--seq-lens 1024 4096 16384] [--moe-only]
+    python -m benchmarks.train_moe [--layers 2] [--seq-lens 1024 4096 16384] [--moe-only]
 
 --moe-only times the MoE blocks alone (router + experts of every layer, forward and
 backward to their input, from a random hidden state): the part LoRA-on-experts training
 changes. Without it the step is the whole model's, attention included, which is the
 same code (transformers' SDPA) on both sides and grows with the square of the length.
+--breakdown times one layer's primitives (eager, CUDA events), --profile prints both
+sides' kernel tables, --host-profile and --check-syncs look at loraplex's host side.
+--tiny --device cpu is a smoke test.
+
+Figure: benchmarks/RESULTS.md, "Training: LoRA on MoE experts".
 """
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
-import torch
+from benchmarks import harness
 
 RANK, ALPHA = 16, 32
+TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
 
 
 def build(layers: int, tiny: bool):
     import transformers
 
-    shape = (dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2) if tiny else
-             dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-                  num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8))
+    if tiny:
+        shape = TINY
+    else:
+        m = harness.model_shape("qwen3-30b-a3b")
+        shape = dict(hidden_size=m.hidden, intermediate_size=m.intermediate,
+                     moe_intermediate_size=m.expert_intermediate, num_attention_heads=m.heads,
+                     num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_experts=m.experts,
+                     num_experts_per_tok=m.top_k)
     cfg = transformers.Qwen3MoeConfig(vocab_size=1024, num_hidden_layers=layers, norm_topk_prob=True,
                                       max_position_embeddings=32768, initializer_range=0.02, **shape)
     cfg.use_cache = False
@@ -39,6 +46,7 @@ def build(layers: int, tiny: bool):
 
 
 def make(cfg, which: str, device, dtype):
+    import torch
     import transformers
 
     torch.manual_seed(0)
@@ -61,27 +69,26 @@ def make(cfg, which: str, device, dtype):
 
 
 def step_time(model, seq_len: int, repeats: int, device) -> tuple[float, float]:
+    """Median ms of a forward + backward of the whole model on one sequence, and peak GiB."""
+    import torch
+
     ids = torch.randint(0, 1024, (1, seq_len), device=device)
-    times = []
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda _: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    for i in range(repeats + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    ms = harness.wall_ms(step, repeats, warmup=1, after=lambda: model.zero_grad(set_to_none=True))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
-    return statistics.median(times) * 1e3, peak
+    return ms, peak
 
 
 def moe_step_time(model, cfg, seq_len: int, repeats: int, device, dtype) -> tuple[float, float]:
     """Forward + backward through the stack of MoE blocks alone, input gradient included."""
+    import torch
+
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = [layer.mlp for layer in inner.model.layers]
     gen = torch.Generator(device).manual_seed(0)
@@ -90,29 +97,29 @@ def moe_step_time(model, cfg, seq_len: int, repeats: int, device, dtype) -> tupl
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for i in range(repeats + 1):
-        h = x.clone().requires_grad_(True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = h
+    state = {"h": x.clone().requires_grad_(True)}
+
+    def step():
+        out = state["h"]
         for block in blocks:
             out = block(out)
             out = out[0] if isinstance(out, tuple) else out
         out.backward(grad)
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
+
+    def after():  # untimed: gradients cleared, a fresh leaf for the next step
         model.zero_grad(set_to_none=True)
+        state["h"] = x.clone().requires_grad_(True)
+
+    ms = harness.wall_ms(step, repeats, warmup=1, after=after)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
-    return statistics.median(times) * 1e3, peak
+    return ms, peak
 
 
 def breakdown(cfg, seq_len: int, device, dtype) -> None:
     """Time each primitive of one MoE layer's LoRA training step at Qwen3-30B-A3B's shapes
     (CUDA events, median of 10 after a warm-up), to see where the step goes."""
+    import torch
+
     from loraplex.train.moe import gmm, outer, resolve_backend, sort_pairs, sum_by_token
 
     backend = resolve_backend("auto", device, dtype)
@@ -130,25 +137,10 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
     xa = rnd(p, r)
 
     def ms(fn):
-        fn()
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+        return harness.events_ms(fn, repeats=10)
 
     def host_us(fn):  # submission cost alone: calls queued back to back, no waiting
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        t = (time.perf_counter() - t0) / 20 * 1e6
-        torch.cuda.synchronize()
-        return t
+        return harness.host_us(fn, calls=20)
 
     from loraplex import ops
 
@@ -209,8 +201,8 @@ def profile(model, cfg, which: str, seq_len: int, device, dtype) -> None:
         sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=30, max_shapes_column_width=60))
 
 
-def main():
-    p = argparse.ArgumentParser()
+def build_parser():
+    p = harness.parser(__doc__)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--repeats", type=int, default=3)
@@ -222,7 +214,13 @@ def main():
     p.add_argument("--host-profile", action="store_true", help="cProfile of loraplex's MoE-only steps")
     p.add_argument("--check-syncs", action="store_true",
                    help="one loraplex MoE-only step under CUDA sync debug mode: where the host waits")
-    args = p.parse_args()
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = build(args.layers, args.tiny)
@@ -292,6 +290,8 @@ def main():
         b = next(r for r in rows if r[0] == "peft" and r[1] == s)
         print(f"| {s} | {a[2]:.1f} | {b[2]:.1f} | {b[2] / a[2]:.2f}x | {a[3]:.2f} | {b[3]:.2f} "
               f"| {1 - a[3] / b[3]:.0%} |")
+    harness.write_json(args.out, [dict(side=w, seq_len=s, ms=ms, peak_gib=peak, weights_gib=base)
+                                  for w, s, ms, peak, base in rows], args)
 
 
 if __name__ == "__main__":

@@ -321,7 +321,7 @@ class AdapterManager:
         # Content-addressed copies were verified when they were written (registry publish,
         # disk-cache commit): their content id, and finiteness where they hold FINITE_MARK,
         # need no second pass over the bytes (which would also slow the engine thread:
-        # benchmarks/NOTES.md).
+        # benchmarks/LOG.md).
         verified = source.content_id is not None and not source.remote
         if source.remote:
             cached = self.disk_cache.lookup(cid) if (self.disk_cache and cid) else None

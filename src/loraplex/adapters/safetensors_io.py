@@ -96,7 +96,7 @@ def memory_span(start: int, end: int) -> memoryview:
 
 # Read adapter files with O_DIRECT into page-aligned buffers: the disk DMAs into the
 # page-locked buffer, and no CPU copies the bytes out of the page cache (an experiment:
-# copies by loader threads slow the engine thread, see benchmarks/NOTES.md).
+# copies by loader threads slow the engine thread, see benchmarks/LOG.md).
 DIRECT_READS = os.environ.get("LORAPLEX_DIRECT_READS", "0") == "1"
 _PAGE = 4096
 _DIRECT_CHUNK = 16 << 20

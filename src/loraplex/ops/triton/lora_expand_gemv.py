@@ -15,7 +15,7 @@ import triton.language as tl
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.lora_common import column_alignment, rank_ceil, slice_starts
 
-# Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/NOTES.md).
+# Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/LOG.md).
 BLOCK_N = 256
 
 

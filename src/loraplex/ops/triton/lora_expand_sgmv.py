@@ -19,7 +19,7 @@ from loraplex.ops.triton.lora_common import column_alignment, rank_ceil, slice_s
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
-# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/LOG.md).
 # A program loads its B tile once and walks TILE_BLOCKS token blocks of its group. Blocks
 # of 16 tokens: a step's decode tokens are one-token groups, and a 64-row tile computed
 # 63 empty rows for each of them.

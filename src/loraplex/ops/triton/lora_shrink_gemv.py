@@ -17,7 +17,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 
-# Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/NOTES.md).
+# Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/LOG.md).
 BLOCK_K = 256
 NUM_WARPS = 4
 # Split K until the launch has about this many programs per SM: one token's A is a

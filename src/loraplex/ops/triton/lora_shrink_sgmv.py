@@ -23,7 +23,7 @@ from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
-# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/NOTES.md).
+# Tuned on H200 for Llama-3.1-8B prefill (benchmarks/prefill_lora.py; benchmarks/LOG.md).
 BLOCK_M, BLOCK_K, NUM_WARPS = 32, 128, 4
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 from loraplex.ops.triton.lora_common import rank_ceil
 
 # Tuned on H200 at 16 decode tokens, Qwen3-30B-A3B and gpt-oss-20b experts
-# (benchmarks/decode_lora_probe.py; benchmarks/NOTES.md). Tiles are sized by element
+# (benchmarks/decode_lora_probe.py; benchmarks/LOG.md). Tiles are sized by element
 # count, so a lower rank gets longer tiles of the same bytes (rank 32: A tiles of 512
 # columns and B tiles of 256 rows; rank 16: 1024 and 512).
 A_TILE, B_TILE, NUM_WARPS = 16384, 8192, 8

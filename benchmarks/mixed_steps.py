@@ -6,34 +6,35 @@ time per step (CUDA events around launch + collect, median of --reps) for: eager
 graph of T's padded bucket; and a graph captured for exactly T tokens (what padding
 costs). No sampling: the forward only.
 
-    python benchmarks/mixed_step_probe.py --tokens 512 1024 1488 2048
-    python benchmarks/mixed_step_probe.py --tokens $(seq 1024 16 2048) --eager-only
-    python benchmarks/mixed_step_probe.py --tokens 1488 1536 --profile   # kernels by device time
+    python -m benchmarks.mixed_steps --tokens 512 1024 1488 2048
+    python -m benchmarks.mixed_steps --tokens $(seq 1024 16 2048) --eager-only
+    python -m benchmarks.mixed_steps --tokens 1488 1536 --profile   # kernels by device time
+
+Llama-3.1-8B (a bundled config) on dummy weights, no adapters.
+
+Figure: benchmarks/RESULTS.md, "Mixed steps" (eager, graph of the bucket, graph of
+exactly that size).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
-import statistics
-from pathlib import Path
 
-import torch
-
-from loraplex import LLM, SamplingParams, ops
-from loraplex.bench.workload import prepare_model_dir
-from loraplex.runner.batch_meta import GraphShape
-from loraplex.runner.cuda_graphs import StepGraphs
-from loraplex.types import ScheduledChunk, StepPlan
+from benchmarks import harness
 
 
-def mixed_plan(num_tokens: int, decodes: int, block_size: int, context: int = 600,
-               vocab: int = 128000) -> StepPlan:
-    """Random token ids, as a serving step has. A step of one repeated token feeds the GEMMs
-    identical rows: they toggle fewer bits, draw less power, and on a power-capped H200 the
-    step ran 12-19% faster than on random tokens (benchmarks/NOTES.md)."""
+def mixed_plan(num_tokens: int, decodes: int, block_size: int, context: int = 600, vocab: int = 128000):
+    """A StepPlan of `decodes` one-token decodes on `context`-token contexts plus prompt
+    chunks of up to 512 tokens, `num_tokens` in all. Random token ids, as a serving step
+    has: a step of one repeated token feeds the GEMMs identical rows, which toggle fewer
+    bits and draw less power; on a power-capped H200 it ran 12-19% faster than on random
+    tokens (benchmarks/LOG.md, "The power cap sets the prefill rate")."""
+    from loraplex import SamplingParams
+
+    # Engine internal: the scheduler -> runner contract.
+    from loraplex.types import ScheduledChunk, StepPlan
+
     sp = SamplingParams(temperature=0, max_tokens=1)
     chunks, next_block = [], 0
     rng = random.Random(num_tokens)
@@ -57,21 +58,14 @@ def mixed_plan(num_tokens: int, decodes: int, block_size: int, context: int = 60
     return StepPlan(chunks=chunks)
 
 
-def device_ms(runner, plan: StepPlan, reps: int) -> float:
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        runner.collect(runner.launch(plan))
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+def device_ms(runner, plan, reps: int) -> float:
+    """Median device ms of launching and collecting `plan` (CUDA events around both)."""
+    return harness.events_ms(lambda: runner.collect(runner.launch(plan)), repeats=reps, warmup=2)
 
 
-def print_kernels(runner, plan: StepPlan, tokens: int, reps: int = 4) -> None:
+def print_kernels(runner, plan, tokens: int, reps: int = 4) -> None:
     """Device time of one eager step by kernel name (torch.profiler over `reps` steps)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -85,23 +79,32 @@ def print_kernels(runner, plan: StepPlan, tokens: int, reps: int = 4) -> None:
         print(f"   {e.self_device_time_total / reps / 1e3:7.3f} ms  {e.count // reps:4d}x  {e.key[:100]}")
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="llama-3.1-8b")
+def build_parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--model", default="llama-3.1-8b", help="a bundled config (default: %(default)s)")
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 1024, 1488, 2048])
     p.add_argument("--decodes", type=int, default=28)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"))
     p.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                    help="the BLAS library of the eager and exact-size runs (graphs of the "
                         "buckets keep the engine's, chosen at capture)")
-    p.add_argument("--out", default=None)
     p.add_argument("--eager-only", action="store_true", help="time eager steps only (a fine sweep)")
     p.add_argument("--profile", action="store_true", help="print each eager step's kernels by device time")
-    args = p.parse_args()
-    model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
-    llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", enable_lora=False,
-              max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from loraplex import ops
+
+    # Engine internals: the runner's graphs, input buffers and graph shapes.
+    from loraplex.runner.batch_meta import GraphShape
+    from loraplex.runner.cuda_graphs import StepGraphs
+
+    llm, _ = harness.dummy_llm(args.model, args.cache_dir, enable_lora=False, max_num_seqs=64,
+                               max_num_batched_tokens=2048, max_model_len=2048)
     runner = llm.engine.runner
     if args.blas:
         torch.backends.cuda.preferred_blas_library(args.blas)
@@ -133,8 +136,7 @@ def main():
         results[t] = dict(eager=eager, bucket=bucket.tokens, graph_bucket=padded, graph_exact=exact_ms)
         print(f"{t} tokens ({len(plan.chunks)} seqs): eager {eager:.2f} ms, graph of {bucket.tokens} "
               f"{padded:.2f} ms, graph of exactly {t} {exact_ms:.2f} ms", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+    harness.write_json(args.out, results, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""The benchmark suite (benchmarks/): every script is listed here, imports on a CPU without
+torch, Triton or loraplex, answers --help, imports no other script, names a figure that
+benchmarks/RESULTS.md has, and is what benchmarks/gpu_session.sh runs."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+# The maintained scripts. A new script goes here, with a docstring naming its figure in
+# RESULTS.md and a main(argv=None) whose parser comes from benchmarks.harness.
+SCRIPTS = ("adapter_load", "attention_sweep", "base_gemms", "decode_breakdown", "kernels",
+           "loader_interference", "mixed_steps", "moe_kernels", "prefill_lora", "profile_decode",
+           "profile_prefill", "slot_load", "train_moe")
+MODULES = ("__init__", "harness")  # not scripts
+OTHER_FILES = ("LOG.md", "RESULTS.md", "gpu_session.sh")
+
+
+@pytest.fixture(autouse=True)
+def _repo_root_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+
+
+def test_every_file_in_benchmarks_is_covered():
+    files = {p.name for p in BENCH.iterdir() if p.is_file()}
+    scripts = {p.stem for p in BENCH.glob("*.py")} - set(MODULES)
+    assert scripts == set(SCRIPTS), (
+        "benchmarks/ and SCRIPTS differ: a new script must be listed in SCRIPTS (and answer --help); "
+        f"unlisted {sorted(scripts - set(SCRIPTS))}, missing {sorted(set(SCRIPTS) - scripts)}")
+    others = files - {p.name for p in BENCH.glob("*.py")}
+    assert others == set(OTHER_FILES), f"unexpected files in benchmarks/: {sorted(others - set(OTHER_FILES))}"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_help(name, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:"), out[:200]
+    for common in ("--out", "--cache-dir"):  # the harness's common parent
+        assert common in out, f"{name}: {common} missing from --help"
+
+
+def test_importing_the_scripts_needs_no_gpu_stack():
+    """Imports of torch, Triton and loraplex sit inside functions: a fresh interpreter that
+    imports every script (and runs one --help) loads none of them."""
+    code = ("import importlib, sys, contextlib, io\n"
+            f"for name in {SCRIPTS!r}:\n"
+            "    importlib.import_module('benchmarks.' + name)\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "    importlib.import_module('benchmarks.kernels').main(['--help'])\n"
+            "print(sorted(m for m in ('torch', 'triton', 'loraplex') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("name", SCRIPTS + ("harness",))
+def test_no_script_imports_another(name):
+    tree = ast.parse((BENCH / f"{name}.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            assert [a.name for a in node.names] == ["harness"], ast.unparse(node)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            top = node.module.split(".")[0]
+            assert top not in SCRIPTS + ("harness",), ast.unparse(node)
+            assert not node.module.startswith("benchmarks."), ast.unparse(node)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                assert alias.name.split(".")[0] not in SCRIPTS + ("harness",), ast.unparse(node)
+                assert not alias.name.startswith("benchmarks."), ast.unparse(node)
+
+
+def _headings(markdown: str) -> set[str]:
+    return {m.strip() for m in re.findall(r"^#+\s+(.*)$", markdown, re.M)}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_docstring_names_a_figure_in_results(name):
+    doc = ast.get_docstring(ast.parse((BENCH / f"{name}.py").read_text()))
+    assert doc and "RESULTS.md" in doc, f"{name}: the docstring says which figure it produces"
+    figures = re.findall(r'"([^"]+)"', " ".join(doc.split("RESULTS.md", 1)[1].split()))
+    assert figures, f"{name}: name the figure in quotes after RESULTS.md"
+    headings = _headings((BENCH / "RESULTS.md").read_text())
+    for figure in figures:
+        assert figure in headings, f"{name}: RESULTS.md has no heading {figure!r}"
+
+
+def test_gpu_session_runs_the_suite():
+    session = (BENCH / "gpu_session.sh").read_text()
+    run = set(re.findall(r"\brun [\w-]+ \d+ (\w+)", session))
+    assert run == set(SCRIPTS), f"gpu_session.sh runs {sorted(run)}"
+    for path in BENCH.iterdir():
+        if path.is_file() and path.suffix in (".py", ".sh"):
+            assert "/tmp/lp" not in path.read_text(), f"{path.name}: caches go to --cache-dir"
