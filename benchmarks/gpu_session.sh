@@ -15,8 +15,14 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 export LORAPLEX_BENCH_CACHE=${LORAPLEX_BENCH_CACHE:-$HOME/.cache/loraplex/bench}
 CACHE=$LORAPLEX_BENCH_CACHE
 STEPS=${*:-tests kernels profile bench}
-# The server tests' packages, where a wheel directory came along (machines without internet)
-[ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl openai fastapi uvicorn 2>&1 | tail -2
+# The test suite's packages the machine lacks (fastapi, uvicorn, openai, schemathesis, ...),
+# where a wheel directory came along (machines without internet)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl 2>&1 | tail -2 && export PYTHONPATH=src:/tmp/site
+fi
+# Test workers: pytest-xdist where it is installed.
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 run() {  # run LOG SECONDS NAME ARGS...: python3 -m benchmarks.NAME ARGS..., its output (no warnings) in $OUT/LOG.txt
   local log=$1 secs=$2 name=$3; shift 3
@@ -26,8 +32,8 @@ for step in $STEPS; do
   echo "=== $step"
   case $step in
     tests)
-      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 570 python3 -m pytest -x -q \
-        -p no:cacheprovider 2>&1 | tail -25 > "$OUT/tests-bf16.log"; tail -5 "$OUT/tests-bf16.log" ;;
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 570 python3 -m pytest -q $XDIST \
+        -p no:cacheprovider 2>&1 | tail -60 > "$OUT/tests-bf16.log"; tail -25 "$OUT/tests-bf16.log" ;;
     tests32)
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=float32 timeout 400 python3 -m pytest -x -q \
         -p no:cacheprovider 2>&1 | tail -25 > "$OUT/tests-fp32.log"; tail -5 "$OUT/tests-fp32.log" ;;

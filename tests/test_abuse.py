@@ -196,7 +196,10 @@ def _raw(server, payload: bytes, read_timeout: float = 5.0, close_early: bool = 
         sock.sendall(payload)
         if close_early:
             return b""
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server already answered and closed (e.g. a header too large)
+            pass
         chunks = []
         try:
             while chunk := sock.recv(65536):

@@ -80,23 +80,44 @@ def test_a_step_that_fails_on_one_request_ends_only_that_request(llm, monkeypatc
 
 
 def test_a_request_that_no_longer_passes_admission_is_the_culprit(llm, monkeypatch):
-    """A step fails with no request named: a live request whose parameters no longer
-    pass the admission checks (changed after queueing) is ended alone."""
+    """A step fails with no request named while a live request's parameters no longer
+    pass the admission checks (changed after queueing): that request is ended alone."""
+    import loraplex.runner.model_runner as model_runner
+
     engine = llm.engine
     prompts = {f"r{i}": ([5 + i, 9, 11], GREEDY) for i in range(3)}
     want = _run(engine, prompts)
     bad = SamplingParams(temperature=0.5, max_tokens=8)
+    sample, calls = model_runner.sample, {"n": 0}
 
-    def corrupt(step):
-        if step == 3:
-            bad.stop_token_ids.append(VOCAB + 5)  # changed after admission checked it
-            bad.min_tokens = 8
-    # The out-of-vocabulary ban raises in the sampler's batched indexing: no request named.
-    got = _run(engine, {**prompts, "bad": ([7, 8], bad)}, on_step=corrupt)
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            bad.seed = 2**70  # changed after admission checked it
+            raise RuntimeError("a batched op failed")
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "sample", failing)
+    got = _run(engine, {**prompts, "bad": ([7, 8], bad)})
     assert got["bad"].outputs[0].finish_reason == "error"
     assert isinstance(got["bad"].error, InvalidRequest)
     for request_id, out in want.items():
         assert got[request_id].outputs[0].token_ids == out.outputs[0].token_ids, request_id
+
+
+def test_an_out_of_vocabulary_ban_never_reaches_the_device(llm):
+    """Defence in depth: a banned id outside the vocabulary (it could only get past
+    admission by a change made later) fails its row's own state on the host, naming its
+    request, instead of indexing the logits out of range (a device assert on a GPU,
+    which no step recovers from)."""
+    engine = llm.engine
+    bad = SamplingParams(temperature=0.5, max_tokens=8, min_tokens=4)
+    engine.add_request("oov", [5, 6], bad)
+    bad.stop_token_ids.append(VOCAB + 5)
+    got = _run(engine, {"ok": ([7, 8, 9], GREEDY)})
+    assert got["oov"].outputs[0].finish_reason == "error"
+    assert isinstance(got["oov"].error, RequestFailed)
+    assert got["ok"].outputs[0].finish_reason == "length"
 
 
 def test_a_failure_no_request_explains_ends_the_batch_only(llm, monkeypatch):

@@ -109,7 +109,9 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_request_aborted(ser
     finally:
         sock.close()
     assert _metric(server, 'loraplex_requests_total{endpoint="completions",outcome="aborted"}') == before + 1
-    assert 0 < _metric(server, "loraplex_aborted_generation_tokens_total") < 4000
+    # (A GPU may finish all 4,000 tokens before the stall is noticed: the stream is cut
+    # off all the same.)
+    assert _metric(server, "loraplex_aborted_generation_tokens_total") > 0
 
 
 def test_a_reader_that_falls_behind_gets_the_newest_output(chat_model):

@@ -441,6 +441,10 @@ class ModelRunner:
         sp = chunk.sampling
         if chunk.num_output_tokens >= sp.min_tokens:
             return []
+        vocab = self.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in sp.stop_token_ids):  # admission checks this; an
+            # index past the logits would be a device assert no step recovers from
+            raise ValueError(f"stop_token_ids outside [0, {vocab})")
         eos = [] if sp.ignore_eos else list(self.eos_token_ids)
         return eos + sp.stop_token_ids
 
