@@ -1,6 +1,6 @@
 """Engine options are declared once (EngineArgs): every one is a flag of serve, bench and
-generate with its default in --help, no command declares one itself, and only the top
-floor (entrypoints/) imports entrypoints."""
+generate with its default in --help, and no command declares one itself (the floors of
+the package: tests/test_project.py)."""
 
 from __future__ import annotations
 
