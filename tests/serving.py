@@ -4,6 +4,7 @@ thread, clients for it, and the tiny chat model it serves."""
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import socket
 import threading
@@ -37,6 +38,18 @@ def make_chat_model(src: Path, dst: Path) -> Path:
 def serve_args(model_dir, *extra) -> list[str]:
     return [str(model_dir), "--max-model-len", "96", "--dtype", "float32", "--max-num-seqs", "32",
             "--max-loras", "4", "--max-lora-rank", "16", "--device", DEVICE, *extra]
+
+
+def tenant_serve_args(model_dir, adapter_dirs, keys_dir: Path, *extra) -> list[str]:
+    """serve_args for a server with API keys (KEYS) serving the tiny model as "tiny", a
+    public adapter "public-ad" and one of tenant acme's, "acme-ad"."""
+    keys = keys_dir / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    ads = adapter_dirs["qwen3"]
+    return serve_args(model_dir, "--api-keys-file", str(keys), "--served-model-name", "tiny",
+                      "--lora-modules", f"public-ad={ads['all7-r8']}",
+                      json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
+                      *extra)
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:

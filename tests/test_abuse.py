@@ -30,21 +30,15 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import ACME, ADMIN, GLOBEX, KEYS, client, idle, running, serve_args
+from serving import ACME, ADMIN, GLOBEX, client, idle, running, tenant_serve_args
 
 TALLY: Counter = Counter()  # "<kind> tried" / "<kind> failed"; read by conftest's summary
 
 
 @pytest.fixture(scope="module")
 def server(chat_model, adapter_dirs, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys.write_text(json.dumps(KEYS))
-    ads = adapter_dirs["qwen3"]
-    yield from running(serve_args(
-        chat_model, "--api-keys-file", str(keys), "--served-model-name", "tiny",
-        "--lora-modules", f"public-ad={ads['all7-r8']}",
-        json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
-        "--stream-write-timeout", "2", "--max-request-bytes", str(2**20)))
+    yield from running(tenant_serve_args(chat_model, adapter_dirs, tmp_path_factory.mktemp("keys"),
+                                         "--stream-write-timeout", "2", "--max-request-bytes", str(2**20)))
 
 
 @pytest.fixture(scope="module")

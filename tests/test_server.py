@@ -18,21 +18,14 @@ import httpx
 import openai
 import pytest
 from conftest import make_llm
-from serving import ACME, ADMIN, GLOBEX, KEYS, client, free_port, idle, running, serve_args
+from serving import ACME, ADMIN, GLOBEX, client, free_port, idle, running, serve_args, tenant_serve_args
 
 from loraplex import LoRARequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def server(chat_model, adapter_dirs, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys.write_text(json.dumps(KEYS))
-    ads = adapter_dirs["qwen3"]
-    yield from running(serve_args(
-        chat_model, "--api-keys-file", str(keys), "--served-model-name", "tiny",
-        "--lora-modules", f"public-ad={ads['all7-r8']}",
-        json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
-    ))
+    yield from running(tenant_serve_args(chat_model, adapter_dirs, tmp_path_factory.mktemp("keys")))
 
 
 @pytest.fixture(scope="module")

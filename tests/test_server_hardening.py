@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_llm
-from serving import ACME, ADMIN, GLOBEX, KEYS, client, idle, running, serve_args
+from serving import ACME, ADMIN, GLOBEX, KEYS, client, idle, running, serve_args, tenant_serve_args
 
 from loraplex import SamplingParams
 
@@ -24,13 +24,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 @pytest.fixture(scope="module")
 def server(chat_model, adapter_dirs, tmp_path_factory):
-    keys = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys.write_text(json.dumps(KEYS))
-    ads = adapter_dirs["qwen3"]
-    args = serve_args(chat_model, "--api-keys-file", str(keys), "--served-model-name", "tiny",
-                      "--lora-modules", f"public-ad={ads['all7-r8']}",
-                      json.dumps({"name": "acme-ad", "path": str(ads["qv-r4-rslora"]), "tenant": "acme"}),
-                      "--stream-write-timeout", "1", "--max-request-bytes", str(2**20))
+    args = tenant_serve_args(chat_model, adapter_dirs, tmp_path_factory.mktemp("keys"),
+                             "--stream-write-timeout", "1", "--max-request-bytes", str(2**20))
     args[args.index("--max-model-len") + 1] = "4096"  # room for long streams
     yield from running(args)
 
