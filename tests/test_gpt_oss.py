@@ -116,7 +116,9 @@ def _bundled_config() -> dict:
 
 
 def test_gpt_oss_20b_config(tmp_path):
-    """The bundled bf16 config translates to gpt-oss-20b's facts; the MXFP4 one is refused."""
+    """The bundled bf16 config translates to gpt-oss-20b's facts; the published MXFP4
+    one says its experts are MXFP4; a quantization loraplex does not know is refused by
+    name."""
     from transformers import AutoConfig
 
     (tmp_path / "config.json").write_text(json.dumps(_bundled_config()))
@@ -127,9 +129,15 @@ def test_gpt_oss_20b_config(tmp_path):
     assert cfg.rope["full_attention"]["rope_type"] == "yarn" and cfg.attention_sinks
     assert cfg.moe_layers == tuple(range(24)) and cfg.swiglu_limit == 7.0
 
-    quantized = {**_bundled_config(), "quantization_config": {"quant_method": "mxfp4"}}
-    (tmp_path / "config.json").write_text(json.dumps(quantized))
-    with pytest.raises(UnsupportedModel, match="mxfp4"):
+    published = {**_bundled_config(), "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    quant = model_config(AutoConfig.from_pretrained(tmp_path)).quant
+    assert (quant.method, quant.format) == ("mxfp4", "mxfp4") and "lm_head" in quant.skip
+    unknown = {**_bundled_config(), "quantization_config": {"quant_method": "bitsandbytes"}}
+    (tmp_path / "config.json").write_text(json.dumps(unknown))
+    with pytest.raises(UnsupportedModel, match="bitsandbytes"):
         model_config(AutoConfig.from_pretrained(tmp_path))
 
 

@@ -35,6 +35,82 @@ class ArchitectureFacts:
 # own "stop_strings" (which makes a plain transformers generate() without a tokenizer raise).
 STOP_STRINGS_KEY = "loraplex_stop_strings"
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QUANTIZATION_METHODS = ("mxfp4", "fp8", "compressed-tensors", "awq", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint's weights are quantized (its quantization_config), or that a
+    bf16 checkpoint is quantized as it loads (`--quantization fp8`). Every layer not
+    skipped holds its weight in `format` (ops/formats.py); models/quant.py converts the
+    checkpoint's tensors to it."""
+
+    method: str  # a QUANTIZATION_METHODS entry
+    format: str  # "fp8", "int4" or "mxfp4"
+    # fp8: the [N, K] block one scale covers ((1, K): per channel; (N, K): per tensor,
+    # with N, K of 0 for "the whole dimension").
+    weight_block: tuple[int, int] | None = None
+    group_size: int = 0  # int4: K values per scale and zero point
+    symmetric: bool = True  # int4: zero point 8 (GPTQ sym); AWQ and GPTQ asym store theirs
+    checkpoint_format: str = ""  # gptq: "gptq" (zero points stored minus one) or "gptq_v2"
+    skip: tuple[str, ...] = ()  # module path patterns (fnmatch) left unquantized
+    online: bool = False  # quantized from a bf16 checkpoint at load
+
+    @classmethod
+    def from_hf(cls, arch: str, q: dict) -> QuantConfig:
+        """A Hugging Face quantization_config; anything else loraplex cannot serve exactly
+        is an UnsupportedModel naming the variant."""
+        method = q.get("quant_method")
+
+        def unsupported(what: str):
+            raise UnsupportedModel(f"{arch}: {method} checkpoints with {what} are not supported")
+
+        skip = tuple(q.get("modules_to_not_convert") or q.get("ignore") or ())
+        if method == "mxfp4":
+            return cls(method, "mxfp4", skip=skip)
+        if method == "fp8":
+            if q.get("fmt", "e4m3") != "e4m3":
+                unsupported(f"fmt {q.get('fmt')!r}")
+            if q.get("activation_scheme", "dynamic") != "dynamic":
+                unsupported(f"activation_scheme {q.get('activation_scheme')!r}")
+            block = q.get("weight_block_size")
+            if not (isinstance(block, list) and len(block) == 2
+                    and all(isinstance(b, int) and b > 0 for b in block)):
+                unsupported(f"weight_block_size {block!r} (a [N, K] block is required)")
+            return cls(method, "fp8", weight_block=tuple(block), skip=skip)
+        if method == "compressed-tensors":
+            groups = list((q.get("config_groups") or {}).values())
+            if len(groups) != 1:
+                unsupported(f"{len(groups)} config groups")
+            weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                unsupported(f"weights {weights.get('type')} of {weights.get('num_bits')} bits")
+            if weights.get("strategy") not in ("channel", "tensor") or weights.get("dynamic"):
+                unsupported(f"weight strategy {weights.get('strategy')!r}")
+            if inputs is not None and not inputs.get("dynamic"):
+                unsupported("static activation scales")
+            block = (1, 0) if weights["strategy"] == "channel" else (0, 0)
+            return cls(method, "fp8", weight_block=block, skip=skip)
+        if method in ("awq", "gptq"):
+            bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size"))
+            if bits != 4:
+                unsupported(f"{bits} bits")
+            if not isinstance(group, int) or group <= 0 or group % 2:
+                unsupported(f"group_size {group!r}")
+            if method == "awq":
+                if str(q.get("version", "gemm")).lower() != "gemm":
+                    unsupported(f"version {q.get('version')!r} (GEMM packing only)")
+                return cls(method, "int4", group_size=group, symmetric=not q.get("zero_point", True),
+                           skip=skip)
+            if q.get("desc_act"):
+                unsupported("desc_act (act-order)")
+            fmt = q.get("checkpoint_format", "gptq")
+            if fmt not in ("gptq", "gptq_v2"):
+                unsupported(f"checkpoint_format {fmt!r}")
+            return cls(method, "int4", group_size=group, symmetric=bool(q.get("sym", True)),
+                       checkpoint_format=fmt, skip=skip)
+        raise UnsupportedModel(f"{arch}: quantization {method!r} is not supported; "
+                               f"supported: {', '.join(QUANTIZATION_METHODS)}")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
@@ -81,6 +157,7 @@ class ModelConfig:
     # gpt-oss: a learned logit per query head that joins every softmax denominator
     # (attention may go "nowhere"); checkpoints hold it as self_attn.sinks [num_heads].
     attention_sinks: bool = False
+    quant: QuantConfig | None = None  # None: the checkpoint's own dtype throughout
 
     @property
     def q_size(self) -> int:
@@ -104,9 +181,9 @@ class ModelConfig:
         if getattr(hf, "attn_logit_softcapping", None) is not None:
             raise UnsupportedModel(f"{arch}: attention logit soft-capping is not supported")
         quant = getattr(hf, "quantization_config", None)
-        if quant:  # e.g. gpt-oss's MXFP4 experts: their tensors would not load
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise UnsupportedModel(f"{arch}: quantized checkpoints ({method}) are not supported")
+        if quant is not None and not isinstance(quant, dict):
+            quant = quant.to_dict()
+        quant = QuantConfig.from_hf(arch, quant) if quant else None
         if getattr(hf, "swiglu_alpha", 1.702) != 1.702:  # the constant ops use for swiglu_oai
             raise UnsupportedModel(f"{arch}: swiglu_alpha {hf.swiglu_alpha} is not supported")
         attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -166,6 +243,7 @@ class ModelConfig:
             embed_scale=hf.hidden_size**0.5 if gemma else None,
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
             attention_sinks=facts.sinks,
+            quant=quant,
             **moe,
         )
 

@@ -19,10 +19,12 @@ from transformers import AutoConfig
 
 from loraplex.config import (
     CUDAGRAPH_MODES,
+    QUANTIZATION_METHODS,
     STOP_STRINGS_KEY,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
+    QuantConfig,
     SchedulerConfig,
 )
 from loraplex.engine.engine import LLMEngine
@@ -92,6 +94,10 @@ class EngineArgs:
     load_format: str = _option(
         "auto", "auto / safetensors: the model directory's weights; dummy: random weights of "
         "its config's shapes", choices=LOAD_FORMATS)
+    quantization: str | None = _option(
+        None, "fp8: quantize a bf16 checkpoint's linear weights as it loads (block-scaled e4m3); "
+        "with load_format dummy, any method (mxfp4, fp8, awq, gptq) gives random weights in that "
+        "format; a quantized checkpoint says its own method", choices=QUANTIZATION_METHODS)
     enable_lora: bool = _option(
         True, "accepted for vLLM's command lines: adapters are on unless --max-loras 0 "
         "(LLM(enable_lora=False) is max_loras=0)", action="store_true")
@@ -173,6 +179,7 @@ class EngineArgs:
         if not (Path(self.model) / "config.json").is_file():  # else transformers takes it for a Hub id
             raise ModelLoadError(f"{self.model}: not a model directory (no config.json)")
         model_cfg = model_config(AutoConfig.from_pretrained(self.model))
+        model_cfg = replace(model_cfg, quant=self._quantization(model_cfg.quant))
         model_cfg = replace(model_cfg, eos_token_ids=tuple(sorted(
             {*model_cfg.eos_token_ids, *_generation_config(self.model)["eos"]})))
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -208,6 +215,23 @@ class EngineArgs:
                 max_model_len=self.max_model_len or model_cfg.max_position_embeddings,
             ),
         )
+
+    def _quantization(self, checkpoint: QuantConfig | None) -> QuantConfig | None:
+        """The checkpoint's quantization, or the one asked for: load-time fp8, or any
+        method's format for random weights (its usual coverage: MXFP4 on experts, int4 on
+        dense projections, fp8 on both)."""
+        asked = self.quantization
+        if asked is None or (checkpoint is not None and checkpoint.method == asked):
+            return checkpoint
+        if checkpoint is not None:
+            raise ModelLoadError(f"the checkpoint is {checkpoint.method}-quantized; --quantization "
+                                 f"{asked} cannot apply to it")
+        if self.load_format != "dummy" and asked != "fp8":
+            raise ModelLoadError(f"--quantization {asked} needs a checkpoint quantized so, or "
+                                 "--load-format dummy (only fp8 quantizes a bf16 checkpoint as it loads)")
+        formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
+        return QuantConfig(asked, formats[asked], weight_block=(1, 128), group_size=128,
+                           symmetric=asked == "gptq", online=self.load_format != "dummy")
 
     def create_engine(self) -> LLMEngine:
         """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings

@@ -2,20 +2,44 @@
 
 A `LoRALinear` fuses several projections that read the same input (q/k/v, gate/up) into
 one matmul with output slices; each slice keeps its Hugging Face / PEFT module name, so
-checkpoints and adapters address slices by those names. Its adapter slots (`lora`, a
-LoRAWeights) are allocated and filled by the adapter slot buffers (adapters/slots.py).
+checkpoints and adapters address slices by those names. Its weight is a tensor or a
+quantized weight (ops/formats.py; the base matmul is ops.linear either way); its adapter
+slots (`lora`, a LoRAWeights) are allocated and filled by adapters/slots.py.
+
+Inside `weights_deferred()` the weights of LoRALinear and Experts are made on the meta
+device: their format is chosen once the model exists (models/quant.py), so a quantized
+model never holds them in bf16 first.
 """
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.ops.metadata import LoRABatch
+
+_DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
+
+
+@contextmanager
+def weights_deferred():
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weight_device() -> str | None:
+    """Where LoRALinear and Experts make their weights: meta while deferred, else the
+    default device."""
+    return "meta" if _DEFERRED.get() else None
 
 
 class LoRALinear(nn.Module):
@@ -31,7 +55,8 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.output_sizes = tuple(output_sizes)
         self.slice_names = tuple(slice_names)
-        self.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), False)
+        self.weight: nn.Parameter | ops.QuantizedWeight = nn.Parameter(
+            torch.empty(sum(output_sizes), in_features, device=weight_device()), False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes)), False) if bias else None
         self.lora: LoRAWeights | None = None  # None: this engine serves no adapters
 
@@ -49,7 +74,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.lora_batch()
         if batch is None:
-            return F.linear(x, self.weight, self.bias)
+            return ops.linear(x, self.weight, self.bias)
         y, buf = self.base_and_shrink(x)
         ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
         if batch.dora and self.lora.dora_scale is not None:
@@ -62,14 +87,14 @@ class LoRALinear(nn.Module):
         ctx = get_forward_context()
         if ctx.aux_stream is None:
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
-            return F.linear(x, self.weight, self.bias), buf
+            return ops.linear(x, self.weight, self.bias), buf
         # Shrink reads only x: run it beside the base matmul. The aux stream always starts
         # by waiting on the main one, so memory it frees is never reused early.
         main = torch.cuda.current_stream()
         ctx.aux_stream.wait_stream(main)
         with torch.cuda.stream(ctx.aux_stream):
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
-        y = F.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias)
         main.wait_stream(ctx.aux_stream)
         return y, buf
 

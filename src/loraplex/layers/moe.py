@@ -14,7 +14,7 @@ from torch import nn
 from loraplex import ops
 from loraplex.config import ModelConfig
 from loraplex.layers.context import get_forward_context
-from loraplex.layers.linear import LoRALinear
+from loraplex.layers.linear import LoRALinear, weight_device
 from loraplex.layers.lora_weights import ExpertLoRAWeights
 from loraplex.ops.metadata import MoELoRA
 
@@ -24,8 +24,9 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h), False)
-        self.down_proj = nn.Parameter(torch.empty(e, h, i), False)
+        # Tensors, or quantized weights (ops/formats.py) of these shapes.
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=weight_device()), False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, device=weight_device()), False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), False) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(e, h), False) if bias else None
         self.lora: ExpertLoRAWeights | None = None  # None: this engine serves no adapters

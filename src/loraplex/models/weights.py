@@ -19,15 +19,18 @@ from tqdm.auto import tqdm
 
 from loraplex.adapters.experts import ExpertShape
 from loraplex.adapters.peft import AdapterTargets
+from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts
+from loraplex.models.quant import ingest, init_quantized
+from loraplex.ops.formats import QuantizedWeight
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in a per-expert MoE checkpoint -> the fused 3D parameter.
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
-                     r"\.weight$")
+                     r"\.(?P<kind>weight|weight_scale_inv|weight_scale|qweight|qzeros|scales|g_idx)$")
 _MIXTRAL_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -84,22 +87,30 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool) -> None:
+def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool,
+                     quant: QuantConfig | None = None) -> None:
     """Copy every checkpoint tensor into `model`; fail on missing or unexpected names.
 
     A model class may declare `checkpoint_renames` (old -> new name substrings) and a
     `checkpoint_transform(name, tensor) -> tensor` (after renames) for tensors stored in
-    another layout than its own."""
+    another layout than its own. Layers holding quantized weights (models/quant.py) take
+    the checkpoint's quantized tensors through quant.ingest."""
     index = projection_index(model)
     params = dict(model.named_parameters())
-    expected = {f"{p.layer_path}.weight#{p.slice}" for p in index.values()}
-    expected |= {
-        f"{p.layer_path}.bias#{p.slice}" for p in index.values() if p.layer.bias is not None
-    }
+    quantized = _quantized_weights(model)
+    expected = set()  # projections' weights by their checkpoint module (q_proj, not qkv_proj)
+    for module_path, p in index.items():
+        w = p.layer.weight
+        kinds = ["weight"] if isinstance(w, nn.Parameter) else [b for b, _ in w.named_buffers(recurse=False)]
+        expected |= {f"{module_path}.{k}" for k in kinds}
+        if p.layer.bias is not None:
+            expected.add(f"{module_path}.bias")
     fused = {f"{p.layer_path}.{n}" for p in index.values() for n in ("weight", "bias")}
     expected |= {n for n in params if n not in fused}
+    expected |= {f"{path}.{b}" for path, w in quantized.items() if not path.endswith(".weight")
+                 for b, _ in w.named_buffers(recurse=False)}
     loaded: set[str] = set()
-    expert_parts: dict[str, set] = {}  # fused expert parameter -> (expert, part) loaded
+    expert_parts: dict[str, set] = {}  # fused expert weight (or buffer) -> (expert, part) loaded
 
     files = safetensors_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
@@ -117,14 +128,29 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         if transform is not None:
             tensor = transform(name, tensor)
         expert = _EXPERT.match(name)
+        if expert is not None and f"{expert['experts']}.gate_up_proj" in quantized:
+            key, w, rows = _expert_rows(model, quantized, expert)
+            for done in ingest(w, quant, expert["kind"], tensor, (int(expert["e"]), rows), name):
+                expert_parts.setdefault(f"{key}.{done}", set()).add((expert["e"], expert["proj"]))
+            continue
         if expert is not None and f"{expert['experts']}.gate_up_proj" in params:
-            fused, dest = _expert_slice(params, expert)
-            expert_parts.setdefault(fused, set()).add((expert["e"], expert["proj"]))
+            fused_name, dest = _expert_slice(params, expert)
+            expert_parts.setdefault(fused_name, set()).add((expert["e"], expert["proj"]))
             key = None  # complete once every expert's part has come
+        elif module_path in index and kind != "bias" and not isinstance(index[module_path].layer.weight,
+                                                                         nn.Parameter):
+            proj = index[module_path]
+            done = ingest(proj.layer.weight, quant, kind, tensor, (proj.layer.slice_rows(proj.slice),), name)
+            loaded |= {f"{module_path}.{d}" for d in done}
+            continue
         elif module_path in index:
             proj = index[module_path]
             dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
-            key = f"{proj.layer_path}.{kind}#{proj.slice}"
+            key = name
+        elif (stem := _fused_quantized(name, quantized)) is not None:  # e.g. gpt-oss's *_blocks
+            done = ingest(quantized[stem], quant, kind, tensor, (), name)
+            loaded |= {f"{stem}.{d}" for d in done}
+            continue
         elif name in params:
             dest, key = params[name].data, name
         else:
@@ -137,12 +163,36 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         if key is not None:
             loaded.add(key)
     for key, parts in expert_parts.items():
-        shape = params[key].shape
-        if len(parts) == shape[0] * (2 if key.endswith("gate_up_proj") else 1):
+        experts = key.rpartition(".gate_up_proj")[0] or key.rpartition(".down_proj")[0]
+        num_experts = model.get_submodule(experts).num_experts
+        if len(parts) == num_experts * (2 if ".gate_up_proj" in key else 1):
             loaded.add(key)
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _quantized_weights(model: nn.Module) -> dict[str, QuantizedWeight]:
+    """Experts' quantized weights by parameter path (`...experts.gate_up_proj`)."""
+    return {f"{path}.{name}": getattr(m, name) for path, m in model.named_modules() if isinstance(m, Experts)
+            for name in ("gate_up_proj", "down_proj") if isinstance(getattr(m, name), QuantizedWeight)}
+
+
+def _fused_quantized(name: str, quantized: dict[str, QuantizedWeight]) -> str | None:
+    """The fused expert weight a whole-stack tensor (`...experts.gate_up_proj_blocks`) is
+    part of, or None."""
+    return next((stem for stem in quantized if name.startswith(stem + "_")), None)
+
+
+def _expert_rows(model: nn.Module, quantized: dict, m: re.Match) -> tuple[str, QuantizedWeight, slice]:
+    """Where one expert's checkpoint module goes in a quantized fused expert weight."""
+    proj = _MIXTRAL_PARTS.get(m["proj"], m["proj"])
+    key = f"{m['experts']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    w = quantized[key]
+    if proj == "down_proj":
+        return key, w, slice(None)
+    inter = w.shape[-2] // 2
+    return key, w, slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
 
 
 def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
@@ -171,3 +221,19 @@ def init_dummy(model: nn.Module, std: float, seed: int) -> None:
             p.data.zero_()
         else:
             p.data.fill_(1.0)
+    for w in model.modules():  # quantized: N(0, std) in their format
+        if isinstance(w, QuantizedWeight):
+            init_quantized(w, std, gen)
+
+
+def checkpoint_tensor_names(model: nn.Module, model_dir: str | Path) -> set[str]:
+    """The checkpoint's tensor names as the model calls them (its checkpoint_renames)."""
+    renames = getattr(model, "checkpoint_renames", {})
+    names = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            for name in h.keys():
+                for old, new in renames.items():
+                    name = name.replace(old, new)
+                names.add(name)
+    return names

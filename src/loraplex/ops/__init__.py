@@ -14,7 +14,9 @@ from contextlib import contextmanager
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
+from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, MoELoRA, QKNorm
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
@@ -55,6 +57,30 @@ def backend_for(device: torch.device | str) -> ModuleType:
 
 def backend_name() -> str:
     return next(k for k, v in _BACKENDS.items() if v == _impl.__name__)
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: x @ W.T + bias, W [N, K] a tensor or a quantized weight read as
+    dequantize(W) (ops/formats.py): activations are not quantized. x [T, K] -> [T, N]."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return _impl.quant_linear(x, weight, bias)
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """Semantics: the weight a quantized one stands for, [..., N, K] in weight.dtype (each
+    format's formula in ops/formats.py)."""
+    return _impl.dequantize(weight)
+
+
+def quantize(weight: QuantizedWeight, values: torch.Tensor) -> None:
+    """Semantics: weight := values [..., N, K] in weight's format, its scales from the
+    values (per format: ops/reference/quant.py). Random weights and load-time
+    quantization; plain torch on any backend."""
+    _module("torch").quantize(weight, values)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -221,8 +247,8 @@ def fused_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
+    w_gate_up: Weight,
+    w_down: Weight,
     activation: str = "silu",
     b_gate_up: torch.Tensor | None = None,
     b_down: torch.Tensor | None = None,
@@ -234,7 +260,8 @@ def fused_experts(
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
-    x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows), b_gate_up [E, 2I];
+    x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows; a tensor or a quantized
+    weight, read as dequantize(w)), b_gate_up [E, 2I];
     w_down [E, H, I], b_down [E, H]; activation "silu", "gelu_tanh" (act(g) * u) or
     "swiglu_oai" (gpt-oss: clamped at swiglu_limit, g * sigmoid(1.702 g) * (u + 1)).
     With `lora`, a token in slot s adds (x A_se^T) B_se^T to gate_up_e's output
@@ -264,8 +291,12 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "AttentionBatch",
+    "QuantizedWeight",
     "add_rms_norm",
+    "dequantize",
     "fused_experts",
+    "linear",
+    "quantize",
     "MoELoRA",
     "route_experts",
     "LoRABatch",

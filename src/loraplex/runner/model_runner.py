@@ -23,9 +23,12 @@ from loraplex.device import to_device
 from loraplex.errors import RequestFailed
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
+from loraplex.layers.linear import weights_deferred
+from loraplex.models.quant import materialize_weights, quantized_layers
 from loraplex.models.registry import build_model
 from loraplex.models.weights import (
     adapter_targets,
+    checkpoint_tensor_names,
     expert_modules,
     init_dummy,
     load_safetensors,
@@ -147,22 +150,29 @@ class ModelRunner:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), weights_deferred():  # formats chosen below
                 model = build_model(cfg.model, cfg.scheduler.max_model_len)
         finally:
             torch.set_default_dtype(prev)
+        dummy = cfg.load_format == "dummy"
+        names = None if dummy else checkpoint_tensor_names(model, cfg.model_path)
+        materialize_weights(model, cfg.model, self.dtype, self.device,
+                            quantized_layers(model, cfg.model, names))
         with torch.no_grad():
-            if cfg.load_format == "dummy":
+            if dummy:
                 init_dummy(model, cfg.model.initializer_range, cfg.seed)
             else:
-                load_safetensors(model, cfg.model_path, cfg.model.tie_word_embeddings)
+                load_safetensors(model, cfg.model_path, cfg.model.tie_word_embeddings, cfg.model.quant)
         model.eval()
-        n = sum(p.numel() for p in model.parameters())
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        quantized = [m for m in model.modules() if isinstance(m, ops.QuantizedWeight)]
+        n = sum(p.numel() for p in model.parameters()) + sum(math.prod(w.shape) for w in quantized)
+        nbytes = (sum(p.numel() * p.element_size() for p in model.parameters())
+                  + sum(w.nbytes() for w in quantized))
+        formats = cfg.dtype + (f", {len(quantized)} weights {cfg.model.quant.method}" if quantized else "")
         logger.info(
             "loaded %s (%s): %s parameters, %.2f GiB %s on %s in %.1f s",
             cfg.model.architecture, "dummy weights" if cfg.load_format == "dummy" else cfg.model_path,
-            _count(n), nbytes / 2**30, cfg.dtype, self.device, time.perf_counter() - t0,
+            _count(n), nbytes / 2**30, formats, self.device, time.perf_counter() - t0,
         )
         return model
 

@@ -10,6 +10,8 @@ from loraplex.ops.reference.elementwise import (
 )
 from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_shrink
 from loraplex.ops.reference.moe import fused_experts, route_experts
+from loraplex.ops.reference.quant import dequantize, quantize
+from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.reference.sampling import race_sample
 from loraplex.ops.reference.train_moe import (
     grouped_lora_add,
@@ -19,7 +21,10 @@ from loraplex.ops.reference.train_moe import (
 )
 
 __all__ = [
+    "dequantize",
     "fused_experts",
+    "quant_linear",
+    "quantize",
     "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",

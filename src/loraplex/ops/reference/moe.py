@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.reference.quant import dequantize
 
 SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
 
@@ -53,6 +54,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
     the adapter delta per (slot, expert) group of those pairs. One stream."""
+    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else dequantize(w) for w in (w_gate_up, w_down))
     t, k = topk_ids.shape
     if routing_stats is not None:
         hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)

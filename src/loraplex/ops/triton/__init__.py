@@ -7,6 +7,8 @@ Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 import torch
 
 from loraplex.ops.metadata import make_lora_batch
+from loraplex.ops.reference.quant import dequantize
+from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
@@ -59,7 +61,9 @@ def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
 
 
 __all__ = [
+    "dequantize",
     "fused_experts",
+    "quant_linear",
     "route_experts",
     "add_rms_norm",
     "gelu_tanh_and_mul",

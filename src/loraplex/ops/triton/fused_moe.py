@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.reference.quant import dequantize
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
@@ -51,6 +52,7 @@ def fused_experts(
     sum_topk: bool = True,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
+    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else dequantize(w) for w in (w_gate_up, w_down))
     limit = check_activation(activation, swiglu_limit)
     t, top_k = topk_ids.shape
     num_experts, two_i, hidden = w_gate_up.shape

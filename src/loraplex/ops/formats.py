@@ -1,0 +1,87 @@
+"""Quantized weight formats: what a layer holds in place of a bf16 weight W [..., N, K].
+
+Every format is a module of buffers (so it moves with its layer) in one canonical layout
+per kind, whatever checkpoint it came from (models/quant.py converts): N output rows
+(the layout a fused layer's slices concatenate along), K packed or blocked along the row.
+Ops dispatch on the type (ops.linear, ops.fused_experts); ops.dequantize gives W back,
+which is every kernel's oracle. Adapters never see these: LoRA deltas stay bf16 on top.
+
+- Fp8Weight: W[n, k] = data[n, k] * scale[n, k // block_k] (e4m3). Block-scaled
+  checkpoints ([128, 128] blocks, weight_scale_inv) keep one scale per row and 128 K
+  columns (a block's scale repeated over its rows: fused slices need not align to 128
+  rows); per-channel ones block_k = K.
+- Int4Weight: W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group], q unsigned
+  4-bit (AWQ, GPTQ; symmetric ones have zero 8).
+- Mxfp4Weight: W[n, k] = e2m1(q[n, k]) * 2^(e[n, k // 32] - 127) (OCP MXFP4, gpt-oss).
+
+Int4 and MXFP4 pack two values per byte along K: byte j of a row holds k = 2j in its low
+nibble and k = 2j + 1 in its high one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MXFP4_BLOCK = 32  # K values per e8m0 scale
+
+
+class QuantizedWeight(nn.Module):
+    """A weight of logical shape [..., N, K] that computes in `dtype`."""
+
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        *lead, n, k_stored = self.data.shape
+        return torch.Size((*lead, n, k_stored * self.values_per_element))
+
+    values_per_element = 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def rows(self, rows: slice) -> dict[str, torch.Tensor]:
+        """Views of every buffer at output rows `rows` (of the last-but-one dim): where a
+        fused layer's slice is loaded."""
+        return {name: t[..., rows, :] for name, t in self.named_buffers(recurse=False)}
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.buffers(recurse=False))
+
+
+class Fp8Weight(QuantizedWeight):
+    def __init__(self, shape: tuple[int, ...], block_k: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        *lead, n, k = shape
+        self.block_k, self.dtype = block_k, dtype
+        self.register_buffer("data", torch.empty(shape, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("scale", torch.empty(*lead, n, -(-k // block_k), dtype=torch.float32,
+                                                  device=device))
+
+
+class Int4Weight(QuantizedWeight):
+    values_per_element = 2
+
+    def __init__(self, shape: tuple[int, ...], group: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        *lead, n, k = shape
+        assert k % group == 0 and group % 2 == 0, (shape, group)
+        self.group, self.dtype = group, dtype
+        self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
+        self.register_buffer("zero", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
+
+
+class Mxfp4Weight(QuantizedWeight):
+    values_per_element = 2
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device=None):
+        super().__init__()
+        *lead, n, k = shape
+        assert k % MXFP4_BLOCK == 0, shape
+        self.dtype = dtype
+        self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.empty(*lead, n, k // MXFP4_BLOCK, dtype=torch.uint8,
+                                                  device=device))
