@@ -146,7 +146,13 @@ def ingest(w: QuantizedWeight, quant: QuantConfig, kind: str, tensor: torch.Tens
         return tuple(b for b, _ in part.named_buffers(recurse=False))
     if isinstance(w, Fp8Weight):
         return _ingest_fp8(part, quant, kind, tensor, name)
-    raise ModelLoadError(f"{name}: {quant.method} tensors of {type(w).__name__} are not loaded yet")
+    if isinstance(w, Int4Weight):  # AWQ, GPTQ
+        from loraplex.models.quant_int4 import ingest_int4
+
+        return ingest_int4(part, quant, kind, tensor, name)
+    from loraplex.models.quant_mxfp4 import ingest_mxfp4
+
+    return ingest_mxfp4(part, quant, kind, tensor, name)
 
 
 def _expect(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:

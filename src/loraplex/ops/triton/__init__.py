@@ -6,9 +6,10 @@ Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 
 import torch
 
+from loraplex.ops import reference
+from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.reference.quant import dequantize
-from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
@@ -45,6 +46,11 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
     if gate_up.shape[0] <= GEMV_MAX_TOKENS:
         return lora_act_gemv(gate_up, buf, lora_b, batch, activation)
     return lora_act_sgmv(gate_up, buf, lora_b, batch, activation)
+
+
+def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """ops.linear of a quantized weight: one kernel per format (ops/formats.py)."""
+    return reference.quant_linear(x, w, bias)
 
 
 def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
