@@ -423,3 +423,18 @@ def test_demo_adapters_fit_the_default_model(tmp_path):
     outs = llm.generate(["t5 t6 t7"] * len(loras), sp, loras, use_tqdm=False)
     logprobs = [out.outputs[0].cumulative_logprob for out in outs]
     assert len(set(logprobs)) == len(loras), "each adapter changes the output"
+
+
+def test_prefix_cache_over_http_is_reported_and_kept_per_tenant(server):
+    """A repeated long prefix is served from the cache for its tenant (OpenAI's
+    usage.prompt_tokens_details.cached_tokens, the receipt, Prometheus), never for
+    another tenant."""
+    prompt = " ".join(f"t{5 + (i * 13) % 300}" for i in range(40))
+    cached = []
+    for key in (ACME, ACME, GLOBEX):
+        r = client(server, key).completions.create(model="tiny", prompt=prompt + " t7", max_tokens=2)
+        assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["loraplex"]["cached_tokens"]
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0 and cached[1] >= 32 and cached[2] == 0
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    assert "loraplex_prefix_cache_hits_total" in text and "loraplex_prefix_cache_queries_total" in text

@@ -277,6 +277,9 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     # KV cache budget on CPU, where there is no memory to profile.
     cpu_kv_cache_bytes: int = 4 << 30
+    # Full pages are kept and reused by later requests with the same prefix, adapter
+    # content and salt (engine/block_manager.py).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

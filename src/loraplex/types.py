@@ -152,6 +152,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     lora_request: LoRARequest | None = None
     metrics: RequestMetrics | None = None
     # Why the request failed (finish_reason "error"), e.g. its adapter could not load.

@@ -98,6 +98,9 @@ class EngineArgs:
         None, "fp8: quantize a bf16 checkpoint's linear weights as it loads (block-scaled e4m3); "
         "with load_format dummy, any method (mxfp4, fp8, awq, gptq) gives random weights in that "
         "format; a quantized checkpoint says its own method", choices=QUANTIZATION_METHODS)
+    enable_prefix_caching: bool = _option(
+        True, "keep full KV pages and reuse them for later requests with the same prefix, "
+        "adapter content and salt", action=argparse.BooleanOptionalAction)
     enable_lora: bool = _option(
         True, "accepted for vLLM's command lines: adapters are on unless --max-loras 0 "
         "(LLM(enable_lora=False) is max_loras=0)", action="store_true")
@@ -198,6 +201,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             lora=LoRAConfig(
                 max_loras=self.max_loras if self.enable_lora else 0,

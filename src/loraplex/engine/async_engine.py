@@ -123,6 +123,7 @@ class AsyncEngine:
         sampling: SamplingParams,
         lora_request: LoRARequest | None = None,
         prompt: str | None = None,
+        cache_salt: str = "",
         on_end: Callable[[str, RequestOutput | None], None] | None = None,
     ) -> RequestStream:
         """Queue a request; iterate the returned stream for its (cumulative) outputs.
@@ -136,7 +137,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             await self.call(lambda e: e.add_request(request_id, prompt_token_ids, sampling,
-                                                    lora_request, prompt))
+                                                    lora_request, prompt, cache_salt))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -68,7 +68,8 @@ class LLMEngine:
             sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.scheduler = Scheduler(
             config.scheduler,
-            BlockManager(self.runner.num_blocks, config.cache.block_size),
+            BlockManager(self.runner.num_blocks, config.cache.block_size,
+                         enable_caching=config.cache.enable_prefix_caching),
             SlotTable(config.lora.max_loras),
         )
         self._live: dict[str, _Live] = {}
@@ -96,10 +97,12 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         prompt: str | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request. Raises InvalidRequest, or AdapterError for an adapter known to
         be missing, without side effects. An adapter not in memory loads in the
-        background; if that fails, the request ends with finish_reason "error"."""
+        background; if that fails, the request ends with finish_reason "error".
+        cache_salt: only requests with the same salt share prefix-cache pages."""
         sampling = sampling or SamplingParams()
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -120,6 +123,7 @@ class LLMEngine:
             prompt=prompt,
             eos_token_ids=self.eos_token_ids,
             adapter=ticket,
+            cache_salt=cache_salt,
         )
         if ticket is not None:
             ticket.owner = req
@@ -198,6 +202,9 @@ class LLMEngine:
             "kv_blocks_total": self.scheduler.blocks.num_blocks,
             "adapter_slot_loads": self.scheduler.slots.num_loads,
             "adapter_slot_evictions": self.scheduler.slots.num_evictions,
+            "prefix_cache_queried_tokens": self.scheduler.blocks.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.scheduler.blocks.num_hit_tokens,
+            "prefix_cache_blocks": self.scheduler.blocks.num_cached_blocks,
         }
         if self.adapters is not None:
             out["adapter_disk_loads"] = self.adapters.num_loads["disk"]
@@ -383,6 +390,7 @@ class LLMEngine:
                 )
             ],
             finished=req.finished,
+            num_cached_tokens=req.num_cached_tokens,
             lora_request=req.lora_request,
             metrics=req.metrics,
             error=error,

@@ -30,6 +30,9 @@ class Request:
     lora_request: LoRARequest | None = None
     prompt: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixed into its pages' prefix-cache hashes: only requests with the same salt share
+    # pages (the server salts with the tenant).
+    cache_salt: str = ""
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -48,12 +51,28 @@ class Request:
     cumulative_logprob: float = 0.0
     # prompt_logprobs[i] scores prompt token i + 1; filled chunk by chunk.
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Prefix cache: the hashes of its full pages of known tokens (a chain), how many of
+    # its current block table's pages are registered, and the prompt tokens it found
+    # cached when first admitted.
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
     def adapter_key(self) -> str | None:
         """The adapter's content id (GPU slots and host memory are keyed by it)."""
         return self.adapter.content_id if self.adapter else None
+
+    @property
+    def cache_key(self) -> str:
+        """What besides its tokens a page of this request depends on: the adapter's
+        content (never its name) and the salt."""
+        return f"{self.adapter_key or ''}|{self.cache_salt}"
+
+    def known_tokens(self) -> list[int]:
+        """Prompt and output tokens whose ids are known (not the one in flight)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def adapter_ready(self) -> bool:

@@ -24,7 +24,7 @@ from collections import deque
 
 from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import SchedulerConfig
-from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
@@ -136,10 +136,17 @@ class Scheduler:
             if key is not None and (starving or not self.slots.can_acquire(key)):
                 starving = starving or now - req.metrics.arrival_time > self.config.max_adapter_wait
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.can_grow(req.block_ids, n):
+            cached = self._cache_hit(req)
+            start = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - start, budget)
+            if not self.blocks.can_grow(cached, start + n, reserved=self.blocks.num_unowned(cached)):
                 break
             self.waiting.remove(req)
+            if self.blocks.enable_caching and req.sampling.prompt_logprobs is None:
+                req.block_ids = self.blocks.take(cached, req.num_tokens - 1)
+                req.num_computed_tokens = start
+                if req.metrics.first_scheduled_time is None:
+                    req.num_cached_tokens = start
             must_load = False
             if key is not None:
                 req.lora_slot, must_load = self.slots.acquire(key)
@@ -156,10 +163,41 @@ class Scheduler:
                 # large one) and it runs from the next step on: a step that read the slot
                 # now would make every request in it wait for the copy.
                 continue
-            self.blocks.grow(req.block_ids, n)
+            self.blocks.grow(req.block_ids, start + n)
             plan.chunks.append(self._chunk(req, n))
             budget -= n
         return budget
+
+    def _cache_hit(self, req: Request) -> list[int]:
+        """Cached pages of a request being admitted with nothing computed: the longest
+        registered run of its full pages before its last token (whose logits it needs).
+        None for a request that scores its prompt (every position's logits)."""
+        if (not self.blocks.enable_caching or req.num_computed_tokens
+                or req.sampling.prompt_logprobs is not None):
+            return []
+        limit = (req.num_tokens - 1) // self.blocks.block_size
+        self._hash_pages(req, limit)
+        return self.blocks.cached_prefix(req.page_hashes[:limit])
+
+    def _hash_pages(self, req: Request, upto: int) -> None:
+        """Extend req.page_hashes to its first `upto` full pages (of known tokens)."""
+        if upto > len(req.page_hashes):
+            parent = req.page_hashes[-1] if req.page_hashes else b""
+            req.page_hashes += page_hashes(req.known_tokens()[: upto * self.blocks.block_size],
+                                           self.blocks.block_size, req.cache_key, parent,
+                                           len(req.page_hashes))
+
+    def _register_pages(self, req: Request) -> None:
+        """Register the request's full pages whose tokens are known and computed (or
+        written by the step in flight: a step that reads them runs after it)."""
+        if not self.blocks.enable_caching:
+            return
+        full = min(req.num_computed_tokens, len(req.prompt_token_ids) + len(req.output_token_ids))
+        full //= self.blocks.block_size
+        self._hash_pages(req, full)
+        for i in range(req.num_registered_pages, full):
+            self.blocks.register(req.block_ids[i], req.page_hashes[i])
+        req.num_registered_pages = max(req.num_registered_pages, full)
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -193,7 +231,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_registered_pages = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -205,6 +243,7 @@ class Scheduler:
         for req in reversed(self.running):
             self._preempt(req)
         self.running.clear()
+        self.blocks.forget_cache()  # the dropped steps' pages may be half written
         for req in self.waiting:
             req.num_pending = 0
         for slot in range(self.slots.num_slots):
@@ -234,6 +273,7 @@ class Scheduler:
             if prompt_lps:
                 req.prompt_logprobs.extend(prompt_lps)
             if token is None:
+                self._register_pages(req)
                 if prompt_lps:
                     touched.append(req)
                 continue
@@ -245,6 +285,7 @@ class Scheduler:
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
             touched.append(req)
+            self._register_pages(req)  # before a stop frees them: a next turn may reuse them
             sp = req.sampling
             n_out = len(req.output_token_ids)
             if n_out >= sp.min_tokens and not sp.ignore_eos and token in req.eos_token_ids:

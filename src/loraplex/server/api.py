@@ -131,15 +131,17 @@ class Server:
         return requested
 
     async def submit_all(self, endpoint: str, base_id: str, prompts, body, lora: LoRARequest | None,
-                         logprobs):
-        """Submit every prompt; if one fails, abort those already queued and re-raise."""
+                         logprobs, tenant: Tenant):
+        """Submit every prompt; if one fails, abort those already queued and re-raise.
+        Prefix-cache pages are shared within a tenant only (the salt): whether a prompt
+        was cached must not tell one tenant what another sent."""
         streams = []
         on_end = lambda outcome, out: self.metrics.record(endpoint, outcome, out)  # noqa: E731
         try:
             for i, (text, ids) in enumerate(prompts):
                 sampling = body.sampling_params(self.max_tokens(body.max_tokens, len(ids)), logprobs)
                 streams.append(await self.engine.submit(f"{base_id}-{i}", ids, sampling, lora, text,
-                                                        on_end=on_end))
+                                                        cache_salt=tenant.name, on_end=on_end))
         except BaseException:
             for s in streams:
                 s.close()
@@ -273,10 +275,12 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        lora = await server.resolve(body.model, tenant_of(request))
+        tenant = tenant_of(request)
+        lora = await server.resolve(body.model, tenant)
         prompts = [await server.tokenize(p) for p in body.prompts()]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await server.submit_all("completions", request_id, prompts, body, lora, body.logprobs)
+        streams = await server.submit_all("completions", request_id, prompts, body, lora, body.logprobs,
+                                          tenant)
         request.state.queued = True
         info = StreamInfo(request_id, int(time.time()), body.model, "text_completion", lora,
                           body.include_usage)
@@ -299,13 +303,14 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        lora = await server.resolve(body.model, tenant_of(request))
+        tenant = tenant_of(request)
+        lora = await server.resolve(body.model, tenant)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         prompts = [await server.chat_prompt(body)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         k = body.num_logprobs()
-        streams = await server.submit_all("chat", request_id, prompts, body, lora, k)
+        streams = await server.submit_all("chat", request_id, prompts, body, lora, k, tenant)
         request.state.queued = True
         info = StreamInfo(request_id, int(time.time()), body.model,
                           "chat.completion.chunk" if body.stream else "chat.completion", lora,

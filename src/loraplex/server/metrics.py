@@ -28,6 +28,12 @@ class _EngineCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, key in (
+                ("loraplex_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 "prefix_cache_queried_tokens"),
+                ("loraplex_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 "prefix_cache_hit_tokens")):
+            yield CounterMetricFamily(name, doc, value=s[key])
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into a tier",
                                     labels=["tier"])
         loads.add_metric(["device"], s["adapter_slot_loads"])

@@ -81,7 +81,8 @@ def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
     completion = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -108,5 +109,6 @@ def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput]
         "ttft_ms": slowest(_ms(m.arrival_time, m.first_token_time) for m in ms),
         "e2e_ms": slowest(_ms(m.arrival_time, m.finished_time) for m in ms),
         "preemptions": sum(m.num_preemptions for m in ms),
+        "cached_tokens": sum(o.num_cached_tokens for o in outs),
         **usage(outs),
     }
