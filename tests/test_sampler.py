@@ -454,3 +454,47 @@ def test_modifies_logits_tells_when_the_logits_survive():
         if not case.modifies_logits(40):
             assert torch.equal(got, logits), case
     assert [c.modifies_logits(40) for c in cases] == [False, False, True, True, True]
+
+
+def test_logit_rules_follow_their_formulas():
+    """logit_bias, then repetition (prompt and output), frequency and presence penalties,
+    checked against the formulas written out per row; a pending token (the step in
+    flight's, on the device) counts as output."""
+    from loraplex.runner.logit_rules import LogitRules, apply_rules
+
+    vocab = 50
+    logits = random_logits(4, vocab, seed=3)
+    last_ids = torch.tensor([7, 11])  # the previous step's sampled ids; row 1 of it is row 2's
+    rules = [
+        LogitRules(logit_bias={3: 5.0, 9: -2.5}),
+        None,
+        LogitRules(repetition=1.5, frequency=0.5, presence=0.25, prompt_ids=[1, 2, 3],
+                   output_ids=[4, 4, 2], pending_row=1),
+        LogitRules(logit_bias={4: 1.0}, repetition=0.8, output_ids=[4]),
+    ]
+    got = logits.clone()
+    apply_rules(got, rules, last_ids)
+    want = logits.clone()
+    want[0, 3] += 5.0
+    want[0, 9] -= 2.5
+    for row, rule, pending in ((2, rules[2], [11]), (3, rules[3], [])):
+        for t, b in rule.logit_bias.items():
+            want[row, t] += b
+        out = rule.output_ids + pending
+        for t in range(vocab):
+            count = out.count(t)
+            if t in rule.prompt_ids or count:
+                v = want[row, t]
+                want[row, t] = v / rule.repetition if v > 0 else v * rule.repetition
+            want[row, t] -= rule.frequency * count + rule.presence * (count > 0)
+    torch.testing.assert_close(got, want)
+
+
+def test_min_p_keeps_tokens_near_the_most_likely():
+    from loraplex.runner.logit_rules import LogitRules
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    r = rows(1, temperature=1.0)
+    r.rules = [LogitRules(min_p=0.35)]  # keeps p >= 0.175: tokens 0 and 1
+    draws = {int(sample(logits.clone(), r, gen(i))) for i in range(200)}
+    assert draws == {0, 1}

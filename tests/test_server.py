@@ -438,3 +438,16 @@ def test_prefix_cache_over_http_is_reported_and_kept_per_tenant(server):
     assert cached[0] == 0 and cached[1] >= 32 and cached[2] == 0
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     assert "loraplex_prefix_cache_hits_total" in text and "loraplex_prefix_cache_queries_total" in text
+
+
+def test_penalties_logit_bias_and_min_p_over_http(server):
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="t5 t6", max_tokens=4, logit_bias={"17": 100},
+                             extra_body={"ignore_eos": True, "min_p": 0.05})
+    assert r.choices[0].text.split() == ["t17"] * 4
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "t5 t6"}], max_tokens=4,
+                                     presence_penalty=1.0, frequency_penalty=0.5,
+                                     extra_body={"repetition_penalty": 1.2})
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        c.completions.create(model="tiny", prompt="t5", max_tokens=2, logit_bias={"seven": 3})

@@ -34,6 +34,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # same for prompt tokens; 0: only the prompt token
     skip_special_tokens: bool = True
     n: int = 1
+    presence_penalty: float = 0.0  # logits -= presence_penalty for tokens in the output so far
+    frequency_penalty: float = 0.0  # logits -= frequency_penalty x count in the output so far
+    repetition_penalty: float = 1.0  # tokens of prompt or output: logit / r if > 0, else x r
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -68,6 +73,16 @@ class SamplingParams:
                 bad(f"{name} must be >= 0, got {v}")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 100:
+            bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or not -100 <= bias <= 100:
+                bad(f"logit_bias maps token ids to values in [-100, 100], got {token!r}: {bias!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX):
             bad(f"seed must fit in 64 bits ([{SEED_MIN}, {SEED_MAX}]), got {self.seed}")
 
@@ -192,6 +207,9 @@ class ScheduledChunk:
     sampling: SamplingParams
     num_output_tokens: int  # tokens generated so far, pending ones included (min_tokens)
     prompt_logprobs: PromptLogprobsTask | None = None
+    # Sampled chunks with penalties: the request's prompt and known output tokens (the
+    # pending one, if any, comes from the previous step's output on the device).
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

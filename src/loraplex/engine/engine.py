@@ -148,6 +148,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in sampling.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be integers in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in sampling.logit_bias or {}):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(sampling, name)
             if n is not None and n > self.max_logprobs:

@@ -225,6 +225,9 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
             prompt_logprobs=task,
         )
+        sp = req.sampling
+        if chunk.sample and (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty):
+            chunk.history = (req.prompt_token_ids, req.output_token_ids)  # read at launch, not copied
         req.num_computed_tokens = end
         req.num_pending += chunk.sample
         return chunk

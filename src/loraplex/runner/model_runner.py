@@ -36,6 +36,7 @@ from loraplex.models.weights import (
 )
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import StepGraphs
+from loraplex.runner.logit_rules import LogitRules
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.types import (
@@ -380,7 +381,7 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, out: LaunchedStep):
         chunks = [plan.chunks[i] for i in rows]
-        generators, banned, seeds = zip(*(self._row_state(c) for c in chunks))
+        generators, banned, seeds, rules = zip(*(self._row_state(c) for c in chunks))
         sampling_rows = SamplingRows(
             temperature=[c.sampling.temperature for c in chunks],
             top_k=[c.sampling.top_k for c in chunks],
@@ -388,6 +389,8 @@ class ModelRunner:
             generators=list(generators),
             banned=list(banned),
             seeds=list(seeds),
+            rules=list(rules),
+            last_ids=self._last_token_ids,
         )
         want = [c.sampling.logprobs for c in chunks]
         scored = any(w is not None for w in want)
@@ -421,12 +424,19 @@ class ModelRunner:
         out.prompt_lps = concat_logprobs(parts)
 
     def _row_state(self, chunk: ScheduledChunk) -> tuple:
-        """A sampled row's generator, banned tokens and draw key; what fails here fails
-        on this request's own parameters, so the error names it."""
+        """A sampled row's generator, banned tokens, draw key and logit rules; what fails
+        here fails on this request's own parameters, so the error names it."""
         try:
-            return self._generator_for(chunk), self._banned_tokens(chunk), self._draw_seed(chunk)
+            return (self._generator_for(chunk), self._banned_tokens(chunk), self._draw_seed(chunk),
+                    self._logit_rules(chunk))
         except Exception as e:
             raise RequestFailed(chunk.request_id, e) from e
+
+    def _logit_rules(self, chunk: ScheduledChunk) -> LogitRules | None:
+        prompt_ids, output_ids = chunk.history or ([], [])
+        pending = chunk.num_output_tokens > len(output_ids) and chunk.history is not None
+        return LogitRules.of(chunk.sampling, prompt_ids, output_ids,
+                             self._last_rows[chunk.request_id] if pending else None)
 
     def _draw_seed(self, chunk: ScheduledChunk) -> int:
         """The key of this row's draws in the fused sampler: a seeded request's seed mixed

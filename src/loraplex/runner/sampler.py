@@ -1,14 +1,15 @@
 """Sampling and logprobs, batched over rows with different parameters.
 
-Semantics are vLLM's: temperature < 1e-5 is greedy; top-k then top-p (keep the smallest
-set of most likely tokens whose probability reaches top_p); logprobs are the model's raw
-log-softmax, before temperature and truncation. Random rows draw by the exponential race
+Semantics are vLLM's: logit_bias and penalties first (runner/logit_rules.py);
+temperature < 1e-5 is greedy; then min_p, top-k, top-p (keep the smallest set of most
+likely tokens whose probability reaches top_p); logprobs are the model's raw
+log-softmax, before any of these. Random rows draw by the exponential race
 (argmax p / E, E ~ Exp(1), which picks token i with probability p_i). Two paths:
 - rows with only a temperature (the common case) go through `ops.race_sample`, one
   fused pass over the logits whose draws are keyed by a per-row seed the runner gives
   (a seeded request's seed and its token index, so its tokens do not depend on its
   batch);
-- a step with top-k / top-p or banned tokens takes the torch path below, whose draws
+- a step with top-k / top-p, banned tokens or logit rules takes the torch path below, whose draws
   come from the shared generator, or from a seeded request's own generator.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from loraplex import ops
 from loraplex.device import to_device
+from loraplex.runner.logit_rules import LogitRules, apply_rules, min_p_mask
 
 
 @dataclass
@@ -32,6 +34,18 @@ class SamplingRows:
     generators: list[torch.Generator | None]  # per-request generator, or None: the shared one
     banned: list[list[int]]  # tokens that may not be sampled (min_tokens)
     seeds: list[int] | None = None  # per-row draw keys of the fused path (None: torch path only)
+    # Per row: logit_bias, penalties, min_p (runner/logit_rules.py), or None; and the last
+    # step's sampled ids on the device, where a penalized row's in-flight token is.
+    rules: list[LogitRules | None] | None = None
+    last_ids: torch.Tensor | None = None
+
+    @property
+    def has_rules(self) -> bool:
+        return self.rules is not None and any(r is not None for r in self.rules)
+
+    @property
+    def min_p(self) -> list[float]:
+        return [r.min_p if r is not None else 0.0 for r in self.rules or [None] * len(self.temperature)]
 
     @property
     def all_greedy(self) -> bool:
@@ -42,8 +56,8 @@ class SamplingRows:
         return any(0 < k < vocab for k in self.top_k) or any(p < 1.0 for p in self.top_p)
 
     def only_temperature(self, vocab: int) -> bool:
-        """No row truncates (top-k / top-p) or bans tokens."""
-        return not any(self.banned) and not self.truncates(vocab)
+        """No row truncates (top-k / top-p) or bans tokens, or has logit rules."""
+        return not any(self.banned) and not self.truncates(vocab) and not self.has_rules
 
     def fused(self, vocab: int) -> bool:
         """sample() draws these rows with ops.race_sample."""
@@ -51,7 +65,7 @@ class SamplingRows:
 
     def modifies_logits(self, vocab: int) -> bool:
         """Whether sample() writes into the logits it is given."""
-        return any(self.banned) or not (self.all_greedy or self.fused(vocab))
+        return any(self.banned) or self.has_rules or not (self.all_greedy or self.fused(vocab))
 
 
 def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator) -> torch.Tensor:
@@ -61,6 +75,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     if rows.fused(vocab):
         return ops.race_sample(logits, to_device(rows.temperature, torch.float32, device),
                                to_device(rows.seeds, torch.int64, device))
+    if rows.has_rules:
+        apply_rules(logits, rows.rules, rows.last_ids)
     ban_rows = [i for i, banned in enumerate(rows.banned) for _ in banned]
     if ban_rows:
         ban_cols = [t for banned in rows.banned for t in banned]
@@ -73,6 +89,8 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     temperature = to_device(rows.temperature, torch.float32, device)
     greedy = temperature < 1e-5
     logits.div_(torch.where(greedy, 1.0, temperature)[:, None])
+    if any(rows.min_p):
+        logits.masked_fill_(min_p_mask(logits.softmax(dim=-1), rows.min_p), float("-inf"))
     if rows.truncates(vocab):
         logits = _top_k_top_p(logits, rows.top_k, rows.top_p)
     probs = logits.softmax(dim=-1)

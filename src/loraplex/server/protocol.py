@@ -99,9 +99,10 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (a string, as in OpenAI's API) -> bias
     # OpenAI's, not implemented: refused unless at their neutral value.
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -115,13 +116,9 @@ class _SamplingFields(_Body):
         """Fields set to something this server does not implement."""
         neutral = {
             "best_of": self.best_of in (None, 1),
-            "logit_bias": not self.logit_bias,
             "response_format": self.response_format in (None, {"type": "text"}),
             "tools": not self.tools,
             "tool_choice": self.tool_choice in (None, "none"),
-            "presence_penalty": self.presence_penalty == 0,
-            "frequency_penalty": self.frequency_penalty == 0,
-            "repetition_penalty": self.repetition_penalty == 1,
         }
         return [name for name, ok in neutral.items() if not ok]
 
@@ -140,6 +137,11 @@ class _SamplingFields(_Body):
             raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
         if self.n > MAX_N or self.n < 1:
             raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
+        bias = {}
+        for token, value in (self.logit_bias or {}).items():
+            if not token.lstrip("-").isdigit() or len(token) > 12:
+                raise InvalidRequest(f"logit_bias keys are token ids, got {token!r}", param="logit_bias")
+            bias[int(token)] = value
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -154,6 +156,11 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=bias,
+            min_p=self.min_p,
         )
 
 
