@@ -37,14 +37,16 @@ def test_logit_bias_and_min_p(llm):
                                                   logit_bias={t: -100.0 for t in range(3, 384)}),
                           use_tqdm=False)[0]
     assert set(banned.outputs[0].token_ids) <= {0, 1, 2}
-    greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)
     tight = llm.generate([[5, 6]], SamplingParams(temperature=1.0, min_p=1.0, max_tokens=6, ignore_eos=True,
                                                  seed=3), use_tqdm=False)
     assert tight[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids, "min_p 1 keeps the argmax"
 
 
-@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                                 dict(min_p=1.5), dict(logit_bias={5: 101.0}), dict(logit_bias={100000: 1.0})])
+@pytest.mark.parametrize("bad", [
+    dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0), dict(min_p=1.5),
+    dict(logit_bias={5: 101.0}), dict(logit_bias={100000: 1.0})])
 def test_bad_values_are_refused(llm, bad):
     from loraplex.errors import InvalidRequest
 

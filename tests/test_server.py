@@ -445,8 +445,8 @@ def test_penalties_logit_bias_and_min_p_over_http(server):
     r = c.completions.create(model="tiny", prompt="t5 t6", max_tokens=4, logit_bias={"17": 100},
                              extra_body={"ignore_eos": True, "min_p": 0.05})
     assert r.choices[0].text.split() == ["t17"] * 4
-    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "t5 t6"}], max_tokens=4,
-                                     presence_penalty=1.0, frequency_penalty=0.5,
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "t5 t6"}],
+                                     max_tokens=4, presence_penalty=1.0, frequency_penalty=0.5,
                                      extra_body={"repetition_penalty": 1.2})
     assert chat.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
