@@ -185,7 +185,9 @@ BAD_BODIES = [
     ("top_p 0", {"model": "tiny", "prompt": "t5", "top_p": 0}),
     ("top_p above 1", {"model": "tiny", "prompt": "t5", "top_p": 1.5}),
     ("too many stops", {"model": "tiny", "prompt": "t5", "stop": [f"s{i}" for i in range(17)]}),
-    ("n above limit", {"model": "tiny", "prompt": "t5", "n": 2}),
+    ("n above limit", {"model": "tiny", "prompt": "t5", "n": 65}),
+    ("best_of under n", {"model": "tiny", "prompt": "t5", "n": 3, "best_of": 2}),
+    ("best_of streamed", {"model": "tiny", "prompt": "t5", "n": 1, "best_of": 2, "stream": True}),
     ("token id out of vocab", {"model": "tiny", "prompt": [5, 100000]}),
     ("empty messages", "chat", {"model": "tiny", "messages": []}),
     ("bad role", "chat", {"model": "tiny", "messages": [{"role": "robot", "content": "t5"}]}),
@@ -451,3 +453,26 @@ def test_penalties_logit_bias_and_min_p_over_http(server):
     assert chat.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         c.completions.create(model="tiny", prompt="t5", max_tokens=2, logit_bias={"seven": 3})
+
+
+def test_n_samples_stream_interleaved_by_index(server):
+    """n = 3 over two prompts: six choices (prompt i's sample j at i * 3 + j), streamed
+    interleaved, each the text the same request gives unstreamed; chat too."""
+    c = client(server)
+    kw = dict(model="tiny", prompt=["t5 t6", "t9"], max_tokens=5, n=3, seed=11, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw)
+    assert sorted(ch.index for ch in whole.choices) == list(range(6))
+    assert whole.usage.completion_tokens == 30
+    texts, order = {}, []
+    for chunk in c.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            order.append(ch.index)
+    assert texts == {ch.index: ch.text for ch in whole.choices}
+    assert order != sorted(order), "choices interleave as they progress"
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "t5"}], n=2,
+                                     max_tokens=3, seed=4)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+    best = c.completions.create(model="tiny", prompt="t5", max_tokens=4, n=2, best_of=4, seed=3)
+    assert len(best.choices) == 2

@@ -14,6 +14,7 @@ from loraplex.errors import InvalidRequest
 _GREEDY_TEMPERATURE = 1e-5  # as vLLM: below this, sampling is greedy
 # Seeds seed 64-bit generators: torch takes [-2^63, 2^64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_SAMPLES = 64  # n and best_of: each sample is a sequence of its own
 
 
 @dataclass
@@ -33,7 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (+ the sampled one)
     prompt_logprobs: int | None = None  # same for prompt tokens; 0: only the prompt token
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # samples returned
+    best_of: int | None = None  # candidates sampled, the n of highest cumulative logprob returned
     presence_penalty: float = 0.0  # logits -= presence_penalty for tokens in the output so far
     frequency_penalty: float = 0.0  # logits -= frequency_penalty x count in the output so far
     repetition_penalty: float = 1.0  # tokens of prompt or output: logit / r if > 0, else x r
@@ -55,8 +57,11 @@ class SamplingParams:
         def bad(msg):
             raise InvalidRequest(msg)
 
-        if self.n != 1:
-            bad(f"n must be 1, got {self.n}")
+        if not (isinstance(self.n, int) and 1 <= self.n <= MAX_SAMPLES):
+            bad(f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
+        best_of = self.best_of if self.best_of is not None else self.n
+        if not (isinstance(best_of, int) and self.n <= best_of <= MAX_SAMPLES):
+            bad(f"best_of must be in [n, {MAX_SAMPLES}], got {self.best_of}")
         if not 0 <= self.temperature < math.inf:
             bad(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -21,6 +21,7 @@ from loraplex.adapters.sources import DiskCache
 from loraplex.config import EngineConfig, cache_root
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from loraplex.engine.parallel import ParentRequest, child_id
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
 from loraplex.errors import EngineFailure, InvalidRequest, LoRADisabled, PromptTooLong, RequestFailed
@@ -73,6 +74,8 @@ class LLMEngine:
             SlotTable(config.lora.max_loras),
         )
         self._live: dict[str, _Live] = {}
+        self._parents: dict[str, ParentRequest] = {}  # requests with several samples
+        self._parent_of: dict[str, str] = {}  # child request id -> its parent's
         self.num_steps = 0
         # Each step's StepTiming while a list (the bench's step profile sets one).
         self.step_timings: list[StepTiming] | None = None
@@ -102,11 +105,38 @@ class LLMEngine:
         """Queue a request. Raises InvalidRequest, or AdapterError for an adapter known to
         be missing, without side effects. An adapter not in memory loads in the
         background; if that fails, the request ends with finish_reason "error".
-        cache_salt: only requests with the same salt share prefix-cache pages."""
+        cache_salt: only requests with the same salt share prefix-cache pages. With n (or
+        best_of) > 1 the samples run as child requests (engine/parallel.py); their
+        outputs come back as this request's. Returns the (first) engine request."""
         sampling = sampling or SamplingParams()
-        if request_id in self._live:
+        if request_id in self._live or request_id in self._parents:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, sampling)
+        if sampling.n == 1 and (sampling.best_of or 1) == 1:
+            return self._add(request_id, prompt_token_ids, sampling, lora_request, prompt, cache_salt)
+        parent = ParentRequest(request_id, sampling)
+        first = None
+        try:
+            for i in range(parent.num_children):
+                cid = child_id(request_id, i)
+                req = self._add(cid, prompt_token_ids, parent.child_sampling(i), lora_request, prompt,
+                                cache_salt, after=first)
+                first = first or req
+                parent.child_ids.append(cid)
+                self._parent_of[cid] = request_id
+        except BaseException:
+            for cid in parent.child_ids:
+                self._parent_of.pop(cid, None)
+                self.abort_request(cid)
+            raise
+        self._parents[request_id] = parent
+        return first
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+             lora_request: LoRARequest | None, prompt: str | None, cache_salt: str,
+             after: Request | None = None) -> Request:
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         ticket = None
         if lora_request is not None:
             if self.adapters is None:
@@ -124,6 +154,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             adapter=ticket,
             cache_salt=cache_salt,
+            after=after,
         )
         if ticket is not None:
             ticket.owner = req
@@ -222,6 +253,11 @@ class LLMEngine:
         return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            outs = [self.abort_request(c) for c in parent.child_ids]
+            folded = self._fold([o for o in outs if o is not None])
+            return folded[0] if folded else None
         live = self._live.get(request_id)
         if live is None:
             return None
@@ -251,10 +287,35 @@ class LLMEngine:
         apart (see _recover); the others are recomputed and go on.
         """
         try:
-            return self._step()
+            outputs = self._step()
         except Exception as error:
             logger.exception("engine step failed")
-            return self._recover(error)
+            outputs = self._recover(error)
+        return self._fold(outputs)
+
+    def _fold(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Child requests' outputs as their parent's (one per parent); a child that
+        failed ends its siblings."""
+        result, touched = [], {}
+        for out in outputs:
+            parent_id = self._parent_of.get(out.request_id)
+            if parent_id is None:
+                result.append(out)
+                continue
+            parent = self._parents[parent_id]
+            parent.fold(out)
+            touched[parent_id] = parent
+        for parent_id, parent in touched.items():
+            if parent.error is not None:
+                for c in parent.child_ids:
+                    if c in self._live:
+                        parent.fold(self.abort_request(c))
+            if parent.finished:
+                del self._parents[parent_id]
+                for c in parent.child_ids:
+                    self._parent_of.pop(c, None)
+            result.append(parent.output())
+        return result
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -33,6 +33,9 @@ class Request:
     # Mixed into its pages' prefix-cache hashes: only requests with the same salt share
     # pages (the server salts with the tenant).
     cache_salt: str = ""
+    # A sibling sample to wait for (engine/parallel.py): admitted once it has a token,
+    # when its prompt's pages are cached.
+    after: Request | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -73,6 +76,12 @@ class Request:
     def known_tokens(self) -> list[int]:
         """Prompt and output tokens whose ids are known (not the one in flight)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def waits(self) -> bool:
+        """Its sibling has not computed the shared prompt yet."""
+        a = self.after
+        return a is not None and not a.finished and not a.output_token_ids
 
     @property
     def adapter_ready(self) -> bool:

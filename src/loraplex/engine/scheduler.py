@@ -130,8 +130,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.num_pending or not req.adapter_ready:
-                continue  # its in-flight token or its adapter is not here yet
+            if req.num_pending or not req.adapter_ready or req.waits:
+                continue  # its in-flight token, its adapter or its sibling's prompt is not here yet
             key = req.adapter_key
             if key is not None and (starving or not self.slots.can_acquire(key)):
                 starving = starving or now - req.metrics.arrival_time > self.config.max_adapter_wait

@@ -155,6 +155,11 @@ class Server:
         return await asyncio.to_thread(self.served.resolve, name, tenant)
 
 
+def _choices(choice, outs: list[RequestOutput], n: int) -> list[dict]:
+    """Every sample of every prompt, prompt i's sample j at index i * n + j."""
+    return [choice(i * n + c.index, c, c.text, 0, True, True) for i, o in enumerate(outs) for c in o.outputs]
+
+
 async def _last(stream) -> RequestOutput:
     last = None
     try:
@@ -286,20 +291,21 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
                           body.include_usage)
         k = body.logprobs
 
+        n = body.n
+
         def choice(i: int, c, text: str, first_token: int, first: bool, finished: bool) -> dict:
-            echo = (prompts[i][0] or "") if body.echo and first else ""
+            echo = (prompts[i // n][0] or "") if body.echo and first else ""
             return {"index": i, "text": echo + text,
                     "logprobs": completion_logprobs(c, first_token, k) if k is not None else None,
                     "finish_reason": c.finish_reason if finished else None,
                     "stop_reason": c.stop_reason if finished else None}
 
         if body.stream:
-            states = [ChoiceState(i, body.stop, k) for i in range(len(streams))]
+            states = [ChoiceState(i, body.stop, k) for i in range(len(streams) * n)]
             return await event_stream(request, info, streams, states, choice, status_of,
                                       server.stream_write_timeout)
         outs = await until_done_or_disconnect(request, asyncio.gather(*(_last(s) for s in streams)))
-        choices = [choice(i, o.outputs[0], o.outputs[0].text, 0, True, True) for i, o in enumerate(outs)]
-        return info.body(choices, outs)
+        return info.body(_choices(choice, outs, n), outs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -324,9 +330,10 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
                     "stop_reason": c.stop_reason if finished else None}
 
         if body.stream:
-            return await event_stream(request, info, streams, [ChoiceState(0, body.stop, k)], choice,
-                                      status_of, server.stream_write_timeout)
+            states = [ChoiceState(j, body.stop, k) for j in range(body.n)]
+            return await event_stream(request, info, streams, states, choice, status_of,
+                                      server.stream_write_timeout)
         out = await until_done_or_disconnect(request, _last(streams[0]))
-        return info.body([choice(0, out.outputs[0], out.outputs[0].text, 0, True, True)], [out])
+        return info.body(_choices(choice, [out], body.n), [out])
 
     return app

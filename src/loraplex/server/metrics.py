@@ -83,12 +83,12 @@ class Metrics:
         if out is not None:
             self.observe(out)
             if outcome == "aborted":
-                self.aborted_tokens.inc(len(out.outputs[0].token_ids))
+                self.aborted_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
 
     def observe(self, out: RequestOutput) -> None:
         """Record a request's timings and tokens."""
         m = out.metrics
-        n = len(out.outputs[0].token_ids)
+        n = sum(len(c.token_ids) for c in out.outputs)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.generation_tokens.inc(n)
         if m.first_token_time is not None:

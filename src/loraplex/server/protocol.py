@@ -21,7 +21,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # text that may be a stop string's start is held back
 MAX_STOP_TOKEN_IDS = 1024  # each step bans them while min_tokens holds
 MAX_PROMPTS = 256  # per completions request
-MAX_N = 1  # choices per request
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int = 400,
@@ -102,7 +101,6 @@ class _SamplingFields(_Body):
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (a string, as in OpenAI's API) -> bias
     # OpenAI's, not implemented: refused unless at their neutral value.
-    best_of: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -115,7 +113,6 @@ class _SamplingFields(_Body):
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
         neutral = {
-            "best_of": self.best_of in (None, 1),
             "response_format": self.response_format in (None, {"type": "text"}),
             "tools": not self.tools,
             "tool_choice": self.tool_choice in (None, "none"),
@@ -135,8 +132,6 @@ class _SamplingFields(_Body):
                                  param="stop")
         if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
-        if self.n > MAX_N or self.n < 1:
-            raise InvalidRequest(f"n must be between 1 and {MAX_N}, got {self.n}", param="n")
         bias = {}
         for token, value in (self.logit_bias or {}).items():
             if not token.lstrip("-").isdigit() or len(token) > 12:
@@ -156,6 +151,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             n=self.n,
+            best_of=getattr(self, "best_of", None),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -169,6 +165,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # candidates per prompt, the n most likely returned
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise InvalidRequest("best_of > n cannot stream (the best are known at the end)",
+                                 param="best_of")
+        return super().sampling_params(max_tokens, logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

@@ -31,15 +31,21 @@ class ChoiceState:
         self.text_sent = 0
         self.tokens_sent = 0
         self.first_chunk = True
+        self.done = False
 
-    def advance(self, out: RequestOutput) -> Delta | None:
-        c = out.outputs[0]
-        end = len(c.text) if out.finished else max(self.text_sent, len(c.text) - self.hold)
+    def advance(self, c: CompletionOutput) -> Delta | None:
+        """The text (and tokens) of sample `c` not sent yet, or None; the delta of a
+        finished sample is its last."""
+        if self.done:
+            return None
+        finished = c.finish_reason is not None
+        end = len(c.text) if finished else max(self.text_sent, len(c.text) - self.hold)
         new_tokens = len(c.token_ids) > self.tokens_sent
-        if end == self.text_sent and not out.finished and not (self.want_logprobs and new_tokens):
+        if end == self.text_sent and not finished and not (self.want_logprobs and new_tokens):
             return None
         delta = Delta(c.text[self.text_sent : end], self.tokens_sent, self.first_chunk)
         self.text_sent, self.tokens_sent, self.first_chunk = end, len(c.token_ids), False
+        self.done = finished
         return delta
 
 
@@ -79,7 +85,7 @@ def chat_logprobs(c: CompletionOutput, start: int, k: int) -> dict:
 
 def usage(outs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outs)
-    completion = sum(len(o.outputs[0].token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}

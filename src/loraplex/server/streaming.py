@@ -128,12 +128,15 @@ async def until_done_or_disconnect(request, coro):
 
 async def event_stream(request, info: StreamInfo, streams, states: list[ChoiceState], choice,
                        status_of, write_timeout: float) -> StreamingResponse:
-    """The response of a streamed request.
+    """The response of a streamed request: streams[i] is prompt i's, its sample j choice
+    i * n + j (states[i * n + j] what that choice has sent; n = len(states) //
+    len(streams)), chunks interleaved as samples progress.
 
     The first output is awaited before the response starts, so an error before it (an
     adapter that failed to load) gets its own HTTP status; an error after the first
-    chunk is reported as an error event before [DONE]. choice(i, completion, text,
+    chunk is reported as an error event before [DONE]. choice(index, completion, text,
     first_token, first, finished) builds one choice of a chunk."""
+    n = len(states) // len(streams)
     outputs = merged(streams)
     try:
         first = await until_done_or_disconnect(request, anext(outputs, None))
@@ -147,15 +150,18 @@ async def event_stream(request, info: StreamInfo, streams, states: list[ChoiceSt
         try:
             pending = [first] if first is not None else []
             async for i, out in _chain(pending, outputs):
-                delta = states[i].advance(out)
                 if out.finished:
                     finals.append(out)
-                if delta is not None:
-                    c = out.outputs[0]
-                    chunk = info.chunk([choice(i, c, delta.text, delta.first_token, delta.first,
-                                               out.finished)])
-                    if len(finals) == len(streams) and not info.include_usage:
-                        chunk["loraplex"] = receipt(info.request_id, info.lora, finals)
+                chunks = []
+                for c in out.outputs:
+                    delta = states[i * n + c.index].advance(c)
+                    if delta is not None:
+                        chunks.append(info.chunk([choice(i * n + c.index, c, delta.text, delta.first_token,
+                                                         delta.first, c.finish_reason is not None)]))
+                if len(finals) == len(streams) and not info.include_usage:  # the last chunk: the receipt
+                    chunks = chunks or [info.chunk([])]
+                    chunks[-1]["loraplex"] = receipt(info.request_id, info.lora, finals)
+                for chunk in chunks:
                     yield _sse(chunk)
             if info.include_usage:
                 yield _sse({**info.chunk([]), "usage": usage(finals),
