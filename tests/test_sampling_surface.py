@@ -63,8 +63,9 @@ def test_n_samples_equal_single_requests_with_their_seeds(llm):
     assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.finished
     assert out.num_cached_tokens == 32
     for i, c in enumerate(out.outputs):
-        single = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=20, max_tokens=8, ignore_eos=True,
-                                                       seed=100 + i, logprobs=1), use_tqdm=False)[0]
+        alone = SamplingParams(temperature=1.0, top_k=20, max_tokens=8, ignore_eos=True, seed=100 + i,
+                               logprobs=1)
+        single = llm.generate([prompt], alone, use_tqdm=False)[0]
         assert c.token_ids == single.outputs[0].token_ids, i
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
@@ -72,8 +73,8 @@ def test_n_samples_equal_single_requests_with_their_seeds(llm):
 def test_best_of_returns_the_most_likely_candidates(llm):
     sp = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7, n=2, best_of=5)
     out = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
-    candidates = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7,
-                                                        n=5, logprobs=0), use_tqdm=False)[0].outputs
+    every = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=7, n=5, logprobs=0)
+    candidates = llm.generate([[5, 6, 7]], every, use_tqdm=False)[0].outputs
     best = sorted(candidates, key=lambda c: -c.cumulative_logprob)[:2]
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in best]
     assert out.outputs[0].logprobs is None, "logprobs only where asked"
