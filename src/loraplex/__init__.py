@@ -13,7 +13,16 @@ from loraplex.errors import (
     LoraplexError,
     PromptTooLong,
 )
-from loraplex.types import CompletionOutput, Logprob, LoRARequest, RequestOutput, SamplingParams
+from loraplex.types import (
+    CompletionOutput,
+    Logprob,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputs,
+)
+
+StructuredOutputsParams = StructuredOutputs  # vLLM's name for it
 
 _logger = _logging.getLogger("loraplex")
 if not _logger.handlers:  # one line per event on stderr, like vLLM; silenced via logging
@@ -37,4 +46,6 @@ __all__ = [
     "PromptTooLong",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputs",
+    "StructuredOutputsParams",
 ]

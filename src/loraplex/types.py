@@ -6,6 +6,7 @@ so code written for vLLM's offline API runs unchanged.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -15,6 +16,44 @@ _GREEDY_TEMPERATURE = 1e-5  # as vLLM: below this, sampling is greedy
 # Seeds seed 64-bit generators: torch takes [-2^63, 2^64).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_SAMPLES = 64  # n and best_of: each sample is a sequence of its own
+
+
+MAX_SPEC_CHARS = 64 * 1024  # a structured-output spec's size (its compile time grows with it)
+
+
+@dataclass
+class StructuredOutputs:
+    """Constrain the output (vLLM's StructuredOutputsParams): exactly one of these."""
+
+    json: str | dict | None = None  # a JSON schema (strict: no properties beyond it)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's dialect), root rule `root`
+    strict: bool = True  # json: additionalProperties false where the schema says nothing
+    disable_any_whitespace: bool = False  # json: compact, no whitespace between tokens
+
+    def check(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequest(f"structured outputs take exactly one of json, json_object, regex, "
+                                 f"choice, grammar; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InvalidRequest("structured output json is a JSON schema (an object or its text)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequest(f"structured output {name} must be a string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequest("structured output choice must be a non-empty list of non-empty strings")
+        if len(self.key()) > MAX_SPEC_CHARS:
+            raise InvalidRequest(f"structured output spec longer than {MAX_SPEC_CHARS} characters")
+
+    def key(self) -> str:
+        """One string per distinct constraint (compiled grammars are cached by it)."""
+        return _json.dumps([self.json, self.json_object, self.regex, self.choice, self.grammar, self.strict,
+                            self.disable_any_whitespace], sort_keys=True)
 
 
 @dataclass
@@ -41,6 +80,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of prompt or output: logit / r if > 0, else x r
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +125,11 @@ class SamplingParams:
             bad(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.check()
+            # The grammar decides where the output ends: its end allows only EOS.
+            if self.ignore_eos or self.min_tokens:
+                bad("structured outputs end where their grammar does: no ignore_eos or min_tokens")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or not -100 <= bias <= 100:
                 bad(f"logit_bias maps token ids to values in [-100, 100], got {token!r}: {bias!r}")
@@ -212,9 +257,10 @@ class ScheduledChunk:
     sampling: SamplingParams
     num_output_tokens: int  # tokens generated so far, pending ones included (min_tokens)
     prompt_logprobs: PromptLogprobsTask | None = None
-    # Sampled chunks with penalties: the request's prompt and known output tokens (the
-    # pending one, if any, comes from the previous step's output on the device).
+    # Sampled chunks with penalties or a grammar: the request's prompt and known output
+    # tokens (the pending one, if any, comes from the previous step's output).
     history: tuple[list[int], list[int]] | None = None
+    grammar: object = None  # structured outputs: the compiled grammar its sample must follow
 
     @property
     def num_tokens(self) -> int:

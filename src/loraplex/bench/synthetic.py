@@ -1,5 +1,6 @@
 """Synthetic inputs for benchmarks and tests: a word-level tokenizer whose word `t<i>` is
-token i (so a prompt of N words is exactly N tokens), and random PEFT LoRA adapters.
+token i (so a prompt of N words is exactly N tokens), a byte-level BPE tokenizer that
+can spell any text (structured outputs), and random PEFT LoRA adapters.
 """
 
 from __future__ import annotations
@@ -33,6 +34,34 @@ def write_word_tokenizer(
             # single_word: "t1" must not match inside "t177".
             special[role] = AddedToken(f"t{token_id}", single_word=True, special=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    fast.save_pretrained(str(out_dir))
+
+
+BYTE_TOKENIZER_SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2
+_BPE_CORPUS = (
+    '{"name": "Ada", "age": 36, "ok": true, "tags": ["a", "b"], "score": -1.5e3, "none": null}\n'
+    "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
+    "yes no maybe red green blue 0123456789 function arguments parameters properties string "
+)
+
+
+def write_byte_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+    """Write a byte-level BPE tokenizer (GPT-2's scheme) of exactly `vocab_size` tokens:
+    <unk>, <s> (bos), </s> (eos), the 256 bytes, then merges learned from a little JSON
+    and English. Any text round-trips through it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BYTE_TOKENIZER_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_BPE_CORPUS] * 4, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"a byte tokenizer needs {vocab_size} >= 259 tokens and text to learn merges from")
+    unk, bos, eos = BYTE_TOKENIZER_SPECIALS
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=unk, bos_token=bos, eos_token=eos)
     fast.save_pretrained(str(out_dir))
 
 

@@ -133,6 +133,9 @@ class AsyncEngine:
         RequestStream."""
         if not self._accepting:
             raise EngineShutdown("the server is shutting down")
+        if sampling.structured_outputs is not None:  # a spec that does not compile is a 400
+            spec = sampling.structured_outputs
+            await asyncio.wrap_future(await self.call(lambda e: e.compile_grammar(spec)))
         stream = RequestStream(self, request_id, on_end)
         self._streams[request_id] = stream
         try:

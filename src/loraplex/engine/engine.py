@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from loraplex.adapters.host_cache import HostCache
@@ -24,6 +25,7 @@ from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from loraplex.engine.parallel import ParentRequest, child_id
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.structured import GrammarCompiler
 from loraplex.errors import EngineFailure, InvalidRequest, LoRADisabled, PromptTooLong, RequestFailed
 from loraplex.runner.model_runner import ModelRunner
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming
@@ -34,6 +36,7 @@ from loraplex.types import (
     PositionLogprobs,
     RequestOutput,
     SamplingParams,
+    StructuredOutputs,
 )
 
 logger = logging.getLogger("loraplex")
@@ -75,6 +78,8 @@ class LLMEngine:
         )
         self._live: dict[str, _Live] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with several samples
+        self._grammars: GrammarCompiler | None = None  # made at the first structured request
+        self._compiling: dict[str, Request] = {}  # requests waiting for their grammar
         self._parent_of: dict[str, str] = {}  # child request id -> its parent's
         self.num_steps = 0
         # Each step's StepTiming while a list (the bench's step profile sets one).
@@ -159,6 +164,9 @@ class LLMEngine:
         if ticket is not None:
             ticket.owner = req
             self._note_adapter(req)
+        if sampling.structured_outputs is not None:
+            req.grammar = self.compile_grammar(sampling.structured_outputs)
+            self._compiling[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, sampling.skip_special_tokens)
         self._live[request_id] = _Live(req, detok)
         self.scheduler.add(req)
@@ -319,7 +327,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        outputs = self._poll_adapters()
+        outputs = self._poll_loads()
         plan = self.scheduler.schedule()
         loads = {slot: self.adapters.get(key) for slot, key in plan.lora_loads.items()}
         launched = self.runner.launch(plan, loads, timed=self.step_timings is not None)
@@ -337,9 +345,26 @@ class LLMEngine:
             self.step_timings.append(launched.timing)
         return outputs
 
-    def _poll_adapters(self) -> list[RequestOutput]:
+    def compile_grammar(self, spec: StructuredOutputs) -> Future:
+        """A future of `spec` compiled (cached by spec), or of the InvalidRequest saying
+        why it does not compile."""
+        if self._grammars is None:  # made at the first structured request: it reads the vocabulary
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.model.vocab_size, self.eos_token_ids)
+        return self._grammars.submit(spec)
+
+    def _poll_loads(self) -> list[RequestOutput]:
         """Requests whose adapter finished loading become schedulable; those whose
-        adapter failed end here, with the adapter's error."""
+        adapter failed, or whose grammar did not compile, end here with the error."""
+        outputs = self._poll_adapters()
+        for request_id, req in list(self._compiling.items()):
+            if req.finished or req.grammar.done():
+                del self._compiling[request_id]
+                if not req.finished and req.grammar.exception() is not None:
+                    self.scheduler.finish(req, "error")
+                    outputs.append(self._output(req, error=req.grammar.exception()))
+        return outputs
+
+    def _poll_adapters(self) -> list[RequestOutput]:
         outputs = []
         for ticket in self.adapters.take_resolved() if self.adapters else []:
             req = ticket.owner

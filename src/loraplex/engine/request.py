@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterTicket
@@ -36,6 +37,8 @@ class Request:
     # A sibling sample to wait for (engine/parallel.py): admitted once it has a token,
     # when its prompt's pages are cached.
     after: Request | None = None
+    # Structured outputs: a future of its compiled grammar (engine/structured.py).
+    grammar: Future | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -82,6 +85,11 @@ class Request:
         """Its sibling has not computed the shared prompt yet."""
         a = self.after
         return a is not None and not a.finished and not a.output_token_ids
+
+    @property
+    def grammar_ready(self) -> bool:
+        g = self.grammar
+        return g is None or (g.done() and g.exception() is None)
 
     @property
     def adapter_ready(self) -> bool:

@@ -130,8 +130,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.num_pending or not req.adapter_ready or req.waits:
-                continue  # its in-flight token, its adapter or its sibling's prompt is not here yet
+            if req.num_pending or not req.adapter_ready or req.waits or not req.grammar_ready:
+                continue  # its in-flight token, adapter, sibling's prompt or grammar is not here yet
             key = req.adapter_key
             if key is not None and (starving or not self.slots.can_acquire(key)):
                 starving = starving or now - req.metrics.arrival_time > self.config.max_adapter_wait
@@ -226,8 +226,11 @@ class Scheduler:
             prompt_logprobs=task,
         )
         sp = req.sampling
-        if chunk.sample and (sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty):
+        penalized = sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
+        if chunk.sample and (penalized or req.grammar is not None):
             chunk.history = (req.prompt_token_ids, req.output_token_ids)  # read at launch, not copied
+        if chunk.sample and req.grammar is not None:
+            chunk.grammar = req.grammar.result()
         req.num_computed_tokens = end
         req.num_pending += chunk.sample
         return chunk

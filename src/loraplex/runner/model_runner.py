@@ -39,6 +39,7 @@ from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
 from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
+from loraplex.runner.structured import GrammarRows
 from loraplex.types import (
     PENDING_TOKEN,
     SamplingParams,
@@ -82,6 +83,8 @@ class ModelRunner:
         # The last step's sampled ids on the device, and each request's row in them.
         self._last_token_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        self._last_step: LaunchedStep | None = None
+        self._structured = GrammarRows(config.model.vocab_size, eos_token_ids)
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
         # Decode graphs run the LoRA shrink on this side stream, beside the base GEMM.
         self.aux_stream = torch.cuda.Stream(self.device) if use_streams else None
@@ -273,6 +276,7 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter], timed: bool) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
             self._request_generators.pop(request_id, None)
+        self._structured.forget(plan.finished_request_ids)
         out = LaunchedStep(plan)
         timing = out.timing = StepTiming(plan.num_tokens, len(plan.lora_loads)) if timed else None
         start = None
@@ -329,8 +333,14 @@ class ModelRunner:
     def forget_step_state(self) -> None:
         """After a failed step: no step is in flight, so no token is pending on the
         device; seeded requests start their generators again when recomputed."""
-        self._last_token_ids, self._last_rows = None, {}
+        self._last_token_ids, self._last_rows, self._last_step = None, {}, None
         self._request_generators.clear()
+        self._structured.clear()
+
+    def _pending_id(self, request_id: str) -> int:
+        """The token `request_id` sampled in the step still in flight (waits for that
+        step's copy to the host)."""
+        return self._last_step.sampled_ids()[self._last_rows[request_id]]
 
     def _load_slots(self, loads: dict[int, LoRAAdapter], timed: bool) -> tuple | None:
         """Copy adapters from pinned host memory into GPU slots on their own stream, so
@@ -391,6 +401,7 @@ class ModelRunner:
             seeds=list(seeds),
             rules=list(rules),
             last_ids=self._last_token_ids,
+            grammar=self._structured.bitmask(chunks, self._pending_id),
         )
         want = [c.sampling.logprobs for c in chunks]
         scored = any(w is not None for w in want)
@@ -399,7 +410,7 @@ class ModelRunner:
         if scored:
             out.sample_lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
         out.sample_chunks, out.sample_logprobs, out.token_ids = rows, want, token_ids
-        self._last_token_ids = token_ids
+        self._last_token_ids, self._last_step = token_ids, out
         self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):

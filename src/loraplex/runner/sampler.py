@@ -1,6 +1,7 @@
 """Sampling and logprobs, batched over rows with different parameters.
 
-Semantics are vLLM's: logit_bias and penalties first (runner/logit_rules.py);
+Semantics are vLLM's: a structured request's grammar mask, then logit_bias and
+penalties (runner/logit_rules.py);
 temperature < 1e-5 is greedy; then min_p, top-k, top-p (keep the smallest set of most
 likely tokens whose probability reaches top_p); logprobs are the model's raw
 log-softmax, before any of these. Random rows draw by the exponential race
@@ -22,6 +23,7 @@ import torch
 from loraplex import ops
 from loraplex.device import to_device
 from loraplex.runner.logit_rules import LogitRules, apply_rules, min_p_mask
+from loraplex.runner.structured import apply_bitmask
 
 
 @dataclass
@@ -38,10 +40,13 @@ class SamplingRows:
     # step's sampled ids on the device, where a penalized row's in-flight token is.
     rules: list[LogitRules | None] | None = None
     last_ids: torch.Tensor | None = None
+    # Structured outputs: the bitmask of tokens allowed (runner/structured.py) and the
+    # rows it covers.
+    grammar: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def has_rules(self) -> bool:
-        return self.rules is not None and any(r is not None for r in self.rules)
+        return self.grammar is not None or (self.rules is not None and any(r is not None for r in self.rules))
 
     @property
     def min_p(self) -> list[float]:
@@ -75,7 +80,9 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     if rows.fused(vocab):
         return ops.race_sample(logits, to_device(rows.temperature, torch.float32, device),
                                to_device(rows.seeds, torch.int64, device))
-    if rows.has_rules:
+    if rows.grammar is not None:
+        apply_bitmask(logits, *rows.grammar)
+    if rows.rules is not None and any(r is not None for r in rows.rules):
         apply_rules(logits, rows.rules, rows.last_ids)
     ban_rows = [i for i, banned in enumerate(rows.banned) for _ in banned]
     if ban_rows:

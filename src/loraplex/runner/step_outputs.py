@@ -64,6 +64,14 @@ class LaunchedStep:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def sampled_ids(self) -> list[int]:
+        """This step's sampled ids on the host (waits for its copies, not later steps)."""
+        if self._event is not None:
+            self._event.synchronize()
+        if "ids" not in self._host:
+            self._host["ids"] = self._host["token_ids"].tolist()
+        return self._host["ids"]
+
     def result(self) -> StepResult:
         """Wait for this step's copies (not for later steps) and build its StepResult."""
         if self._event is not None:
@@ -71,7 +79,7 @@ class LaunchedStep:
         n = len(self.plan.chunks)
         result = StepResult([None] * n, [None] * n, [None] * n)
         if self.token_ids is not None:
-            ids = self._host["token_ids"].tolist()
+            ids = self.sampled_ids()
             lps = self._host_lps("sample_lps")
             for j, (i, want) in enumerate(zip(self.sample_chunks, self.sample_logprobs)):
                 result.sampled_token_ids[i] = ids[j]

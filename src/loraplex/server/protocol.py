@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.errors import InvalidRequest
-from loraplex.types import SamplingParams
+from loraplex.types import SamplingParams, StructuredOutputs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # text that may be a stop string's start is held back
@@ -100,8 +100,15 @@ class _SamplingFields(_Body):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (a string, as in OpenAI's API) -> bias
-    # OpenAI's, not implemented: refused unless at their neutral value.
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (json,
+    # json_object, regex, choice, grammar) and its older guided_* fields: one at most.
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's, not implemented: refused unless at their neutral value.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # means nothing without tools
@@ -113,11 +120,40 @@ class _SamplingFields(_Body):
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
         neutral = {
-            "response_format": self.response_format in (None, {"type": "text"}),
             "tools": not self.tools,
             "tool_choice": self.tool_choice in (None, "none"),
         }
         return [name for name, ok in neutral.items() if not ok]
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one structured-output constraint the body asks for, if any."""
+        fields = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar")
+        asked = {name: getattr(self, name) for name in fields
+                 if getattr(self, name) is not None and getattr(self, name) != {"type": "text"}}
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise InvalidRequest(f"one structured-output field at most, got {sorted(asked)}",
+                                 param=min(asked))
+        (name, value), = asked.items()
+        if name == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return StructuredOutputs(json_object=True)
+            schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+            if not isinstance(schema, dict):
+                raise InvalidRequest("response_format is {\"type\": \"text\" | \"json_object\"} or "
+                                     "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}",
+                                     param="response_format")
+            # strict or not, the schema is enforced in full (as vLLM does): nothing beyond it.
+            return StructuredOutputs(json=schema)
+        if name == "structured_outputs":
+            known = {"json", "json_object", "regex", "choice", "grammar"}
+            if not set(value) <= known:
+                raise InvalidRequest(f"structured_outputs takes {sorted(known)}", param=name)
+            return StructuredOutputs(**value)
+        return StructuredOutputs(**{name.removeprefix("guided_"): value})
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Checks what SamplingParams does not: limits and unsupported features."""
@@ -157,6 +193,7 @@ class _SamplingFields(_Body):
             repetition_penalty=self.repetition_penalty,
             logit_bias=bias,
             min_p=self.min_p,
+            structured_outputs=self.structured(),
         )
 
 
