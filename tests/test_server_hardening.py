@@ -324,20 +324,21 @@ def test_tenants_see_no_server_paths(server, adapter_dirs):
 
 # -- 10. fields the server does not implement are refused, by name ----------------------
 
-UNSUPPORTED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("no_such_field", 1),
+UNSUPPORTED = [  # (field, value, the endpoints that refuse it)
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], ("completions",)),
+    ("tool_choice", "required", ("completions",)),
+    ("no_such_field", 1, ("completions", "chat")),
 ]
 
 
-@pytest.mark.parametrize("field, value", UNSUPPORTED, ids=[f for f, _ in UNSUPPORTED])
-def test_unimplemented_fields_are_400s_naming_them(server, field, value):
+@pytest.mark.parametrize("field, value, paths", UNSUPPORTED, ids=[f for f, _, _ in UNSUPPORTED])
+def test_unimplemented_fields_are_400s_naming_them(server, field, value, paths):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "t5"}]}
-    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "t5"}),
-                       ("/v1/chat/completions", chat)):
-        error = assert_openai_error(post(server, path, {**body, "max_tokens": 2, field: value}), 400)
-        assert field in error["message"], error
+    for path, body in (("completions", {"model": "tiny", "prompt": "t5"}), ("chat", chat)):
+        if path in paths:
+            url = "/v1/completions" if path == "completions" else "/v1/chat/completions"
+            error = assert_openai_error(post(server, url, {**body, "max_tokens": 2, field: value}), 400)
+            assert field in error["message"], error
 
 
 def test_chat_only_fields_and_message_fields(server):
@@ -346,7 +347,7 @@ def test_chat_only_fields_and_message_fields(server):
         field = next(iter(extra))
         error = assert_openai_error(post(server, "/v1/chat/completions", {**chat, **extra}), 400)
         assert field in error["message"]
-    bad_message = {**chat, "messages": [{"role": "assistant", "content": "", "tool_calls": []}]}
+    bad_message = {**chat, "messages": [{"role": "user", "content": "", "tool_calls": []}]}
     error = assert_openai_error(post(server, "/v1/chat/completions", bad_message), 400)
     assert "tool_calls" in error["message"]
 
@@ -354,11 +355,11 @@ def test_chat_only_fields_and_message_fields(server):
 def test_neutral_values_and_harmless_fields_are_accepted(server):
     r = post(server, "/v1/completions", {
         "model": "tiny", "prompt": "t5", "max_tokens": 2, "best_of": 1, "logit_bias": {},
-        "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "user": "u-1",
+        "response_format": {"type": "text"}, "user": "u-1",
         "metadata": {"k": "v"}, "presence_penalty": 0, "frequency_penalty": 0.0})
     assert r.status_code == 200, r.text
     named = post(server, "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": [
-        {"role": "user", "content": "t5", "name": "alice"}]})
+        {"role": "user", "content": "t5", "name": "alice"}], "tools": [], "tool_choice": "none"})
     assert named.status_code == 200, named.text
 
 

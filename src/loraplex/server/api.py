@@ -43,6 +43,7 @@ from loraplex.server.protocol import (
 )
 from loraplex.server.responses import ChoiceState, chat_logprobs, completion_logprobs
 from loraplex.server.streaming import JSON, StreamInfo, event_stream, until_done_or_disconnect
+from loraplex.server.tools import ToolCallParser, ToolChoiceOutput, parser_for_template
 from loraplex.types import LoRARequest, RequestOutput
 
 logger = logging.getLogger("loraplex")
@@ -74,8 +75,11 @@ class Server:
     """What the routes share: the engine, tokenizer, auth, served models, metrics."""
 
     def __init__(self, engine: AsyncEngine, tokenizer, auth: Auth, served: ServedModels,
-                 max_model_len: int, stream_write_timeout: float = 60.0):
+                 max_model_len: int, stream_write_timeout: float = 60.0,
+                 tool_parser: ToolCallParser | None = None):
         self.engine = engine
+        # tool_choice "auto": the format calls are parsed from (None: "auto" is a 400).
+        self.tool_parser = tool_parser or parser_for_template(getattr(tokenizer, "chat_template", None))
         self.tokenizer = tokenizer
         self.auth = auth
         self.served = served
@@ -108,7 +112,8 @@ class Server:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         messages = [m.template_dict() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(messages, tools=body.template_tools(),
+                                                  add_generation_prompt=True, tokenize=False)
         return await self.tokenize(text, special_tokens=False)  # the template wrote BOS itself
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
@@ -313,6 +318,7 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
         lora = await server.resolve(body.model, tenant)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
+        tools = body.tool_mode(server.tool_parser)
         prompts = [await server.chat_prompt(body)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         k = body.num_logprobs()
@@ -322,12 +328,26 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
                           "chat.completion.chunk" if body.stream else "chat.completion", lora,
                           body.include_usage)
 
+        calls = {}  # choice index -> its ToolChoiceOutput
+
         def choice(i: int, c, text: str, first_token: int, first: bool, finished: bool) -> dict:
-            message = {"role": "assistant", "content": text} if first else {"content": text}
+            message = {"role": "assistant"} if first else {}
+            reason = c.finish_reason if finished else None
+            if tools is None:
+                message["content"] = text
+            else:
+                out = calls.setdefault(i, ToolChoiceOutput(tools))
+                out.text += text
+                content, tool_calls = (out.delta(out.text, finished) if body.stream
+                                       else out.message(out.text))
+                message["content"] = content
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
+                    if tools.kind != "named" and reason == "stop":
+                        reason = "tool_calls"  # (a named call ends with "stop", as OpenAI's do)
             return {"index": i, ("delta" if body.stream else "message"): message,
                     "logprobs": chat_logprobs(c, first_token, k) if k is not None else None,
-                    "finish_reason": c.finish_reason if finished else None,
-                    "stop_reason": c.stop_reason if finished else None}
+                    "finish_reason": reason, "stop_reason": c.stop_reason if finished else None}
 
         if body.stream:
             states = [ChoiceState(j, body.stop, k) for j in range(body.n)]

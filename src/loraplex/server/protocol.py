@@ -5,22 +5,25 @@ Unicode and fields this server does not implement become 400 errors with an Open
 body before anything reaches the engine. No field is silently ignored: an unknown field
 is refused, fields of OpenAI's API that are not implemented are accepted only at their
 neutral value, and only `user` and `metadata` pass unused (OpenAI's abuse-monitoring id
-and the metadata of stored completions: neither changes what is generated).
+and the metadata of stored completions: neither changes what is generated). Tools are
+server/tools.py's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from loraplex.errors import InvalidRequest
+from loraplex.server.tools import NamedToolChoice, Tool, ToolCall, ToolCallParser, ToolMode, tool_mode
 from loraplex.types import SamplingParams, StructuredOutputs
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024  # text that may be a stop string's start is held back
 MAX_STOP_TOKEN_IDS = 1024  # each step bans them while min_tokens holds
 MAX_PROMPTS = 256  # per completions request
+MAX_TOOLS = 128  # per chat request (OpenAI's limit)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int = 400,
@@ -108,10 +111,6 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # OpenAI's, not implemented: refused unless at their neutral value.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # means nothing without tools
 
     @property
     def include_usage(self) -> bool:
@@ -119,11 +118,7 @@ class _SamplingFields(_Body):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not implement."""
-        neutral = {
-            "tools": not self.tools,
-            "tool_choice": self.tool_choice in (None, "none"),
-        }
-        return [name for name, ok in neutral.items() if not ok]
+        return []
 
     def structured(self) -> StructuredOutputs | None:
         """The one structured-output constraint the body asks for, if any."""
@@ -240,6 +235,16 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # handed to the chat template, which may use it
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _fields_of_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        return self
 
     def template_dict(self) -> dict:
         text = self.content if not isinstance(self.content, list) else "".join(
@@ -247,6 +252,10 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": text or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -255,8 +264,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # OpenAI's older tools: refused unless empty
     function_call: str | dict[str, Any] | None = None
+    _tools: ToolMode | None = PrivateAttr(default=None)
 
     def unsupported(self) -> list[str]:
         return super().unsupported() + [name for name, ok in (
@@ -265,6 +278,23 @@ class ChatCompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self, parser: ToolCallParser | None) -> ToolMode | None:
+        """How this request uses its tools (checked; kept for sampling_params)."""
+        self._tools = tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        return self._tools
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def structured(self) -> StructuredOutputs | None:
+        asked = super().structured()
+        forced = self._tools.structured() if self._tools is not None else None
+        if asked is not None and forced is not None:
+            raise InvalidRequest("tool_choice required or a named function constrains the output "
+                                 "itself: no response_format or structured outputs beside it",
+                                 param="tool_choice")
+        return forced or asked
 
 
 class LoadLoRAAdapterRequest(_Body):

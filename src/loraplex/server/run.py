@@ -16,6 +16,7 @@ import socket
 
 from loraplex.engine.args import EngineArgs
 from loraplex.errors import LoraplexError
+from loraplex.server.tools import PARSERS, parser_for_template
 
 logger = logging.getLogger("loraplex")
 
@@ -48,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-write-timeout", type=float, default=60.0,
                    help="seconds a streaming client may accept no data before it is disconnected "
                         "and its request aborted")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                   help="the format tool_choice auto reads calls in (default: recognised from the "
+                        "chat template; without one, auto is refused)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag: require a tool-call format (given or recognised) at startup")
     EngineArgs.add_cli_args(p)
 
 
@@ -85,9 +91,14 @@ def build_server(args):
         adapter = served.new_adapter(name, path, tenant)
         llm_engine.load_adapter(adapter.lora, pin=name in args.pinned_loras)
         served.adapters[name] = adapter
+    parser = PARSERS[args.tool_call_parser] if args.tool_call_parser else None
+    if args.enable_auto_tool_choice and parser is None and parser_for_template(
+            getattr(llm_engine.tokenizer, "chat_template", None)) is None:
+        raise SystemExit("--enable-auto-tool-choice: the chat template's tool-call format is not one "
+                         f"loraplex recognises; name it with --tool-call-parser ({', '.join(PARSERS)})")
     engine = AsyncEngine(llm_engine)
     server = Server(engine, llm_engine.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
-                    served, llm_engine.config.scheduler.max_model_len, args.stream_write_timeout)
+                    served, llm_engine.config.scheduler.max_model_len, args.stream_write_timeout, parser)
     return server, build_app(server, args.shutdown_timeout, args.public_metrics, args.max_request_bytes)
 
 
