@@ -28,6 +28,33 @@ def test_workload_shapes_and_popularity():
     assert all(r.adapter is None for r in make_requests(5, 7, 3, 5000, 0, "uniform", 0))
 
 
+def test_prefix_repetition_gives_each_adapter_its_own_prefix():
+    reqs = make_requests(60, 10, 3, 5000, 4, "uniform", 0, prefix_len=6)
+    assert all(len(r.prompt_token_ids) == 10 for r in reqs)
+    prefixes = {r.adapter: r.prompt_token_ids[:6] for r in reqs}
+    assert all(r.prompt_token_ids[:6] == prefixes[r.adapter] for r in reqs)
+    assert len({tuple(p) for p in prefixes.values()}) == 4
+    assert len({tuple(r.prompt_token_ids[6:]) for r in reqs}) == 60, "the rest is each prompt's own"
+    base = make_requests(10, 10, 3, 5000, 0, "uniform", 0, prefix_len=6, num_prefixes=2)
+    assert len({tuple(r.prompt_token_ids[:6]) for r in base}) == 2
+
+
+def test_bench_prefix_repetition_hits_the_cache(model_dirs, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    common = ["bench", "--model", str(model_dirs["qwen3"]), "--dataset-name", "prefix_repetition",
+              "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+              "--prefix-repetition-output-len", "3", "--num-prompts", "8", "--max-concurrency", "2",
+              "--num-adapters", "2", "--lora-rank", "4", "--dtype", "float32",
+              "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out)]
+    assert cli(common) == 0
+    printed = capsys.readouterr().out
+    assert "56 (prefix 48)/3" in printed and "of prompt tokens from the prefix cache" in printed
+    hit = json.loads(out.read_text())[0]["extra"]["prefix_cache_hit_rate"]
+    assert 0.4 < hit < 0.86, hit  # the later requests of each adapter: their 48-token prefix
+    assert cli(common + ["--no-enable-prefix-caching"]) == 0
+    assert "prefix_cache_hit_rate" not in json.loads(out.read_text())[0]["extra"]
+
+
 def test_metrics_follow_vllm_definitions():
     recs = [RequestRecord(send_time=0.0, token_times=[0.1, 0.12, 0.16], num_output_tokens=3),
             RequestRecord(send_time=0.05, token_times=[0.25, 0.30], num_output_tokens=2)]
@@ -225,10 +252,10 @@ def test_bench_stops_when_every_request_fails(fake_server, model_dirs, capsys, c
     assert ("ConnectError" if case == "unreachable" else "HTTP 404") in line
 
 
-def test_bench_dataset_name_is_random_only(capsys):
+def test_bench_dataset_names_are_random_and_prefix_repetition(capsys):
     assert _cli(["bench", "--model", "m", "--dataset-name", "sharegpt"]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "--dataset-name: invalid choice: 'sharegpt' (choose from" in line and "random" in line
+    assert "--dataset-name: invalid choice: 'sharegpt' (choose from" in line and "prefix_repetition" in line
 
 
 def test_plot_needs_matplotlib_before_any_run(monkeypatch, tmp_path, capsys):

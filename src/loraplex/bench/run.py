@@ -45,7 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="model directory, or a bundled config: " + ", ".join(BUNDLED_CONFIGS))
     # vllm bench serve's names are accepted too: --dataset-name, --random-input-len, ...
-    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "prefix_repetition"])
+    p.add_argument("--prefix-repetition-prefix-len", type=at_least(1), default=256,
+                   help="prefix_repetition: tokens of the prefix prompts share")
+    p.add_argument("--prefix-repetition-suffix-len", type=at_least(1), default=256,
+                   help="prefix_repetition: tokens of each prompt's own after it")
+    p.add_argument("--prefix-repetition-num-prefixes", type=at_least(1), default=None,
+                   help="prefix_repetition: distinct prefixes (default: one per adapter; the "
+                        "requests of an adapter share its prefix)")
+    p.add_argument("--prefix-repetition-output-len", type=at_least(1), default=128)
     p.add_argument("--num-prompts", type=at_least(1), default=512)
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=at_least(1), default=512)
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=at_least(1),
@@ -88,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     _check_args(args)
+    if args.dataset_name == "prefix_repetition":  # vLLM's flags, in terms of the random workload's
+        args.input_len = args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len
+        args.output_len = args.prefix_repetition_output_len
+    args.prefix_len = args.prefix_repetition_prefix_len if args.dataset_name == "prefix_repetition" else 0
     cache = Path(args.cache_dir)
     model_dir, dummy = prepare_model_dir(args.model, cache)
     results = []
@@ -95,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         vocab = _vocab_size(model_dir)
         for k, dist in _runs(args):
             reqs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
-                                 dist, args.seed)
+                                 dist, args.seed, args.prefix_len, args.prefix_repetition_num_prefixes)
             records = run_http(args.base_url, args.served_model_name or str(args.model), reqs,
                                args.lora_modules or [], args.max_concurrency, args.api_key)
             results.append(_summarize(_label(args, k, dist), records))
@@ -111,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
                   f"TPOT median {tpot:.2f} x base")
         if r.extra.get("steps"):
             print(f"{r.label}: engine steps {r.extra['steps']}")
+        if "prefix_cache_hit_rate" in r.extra:
+            print(f"{r.label}: {r.extra['prefix_cache_hit_rate']:.1%} of prompt tokens from the prefix cache")
         if "adapter_tiers" in r.extra:
             load = r.extra.get("adapter_load_ms", {})
             print(f"{r.label}: adapter tiers {r.extra['adapter_tiers']}, load ms median "
@@ -162,7 +176,8 @@ def _summarize(label: str, records, extra: dict | None = None):
 def _label(args, k: int, dist: str) -> str:
     cold = ", cold" if args.cold_adapters and k else ""
     who = "base" if k == 0 else f"{k} adapters ({dist}{cold})"
-    return f"{args.model} {args.input_len}/{args.output_len} c{args.max_concurrency} {who}"
+    shared = f" (prefix {args.prefix_len})" if getattr(args, "prefix_len", 0) else ""
+    return f"{args.model} {args.input_len}{shared}/{args.output_len} c{args.max_concurrency} {who}"
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -185,8 +200,9 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         max_model_len=args.max_model_len or args.input_len + args.output_len + 16,
     ).create_engine()
     vocab = engine.config.model.vocab_size
-    workloads = {(k, d): make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k,
-                                       d, args.seed) for k, d in _runs(args)}
+    workloads = {(k, d): make_requests(args.num_prompts, args.input_len, args.output_len, vocab, k, d,
+                                       args.seed, args.prefix_len, args.prefix_repetition_num_prefixes)
+                 for k, d in _runs(args)}
     adapters, warm = [], []
     if max_k:
         shapes = dict(engine.runner.adapter_targets.projections)
@@ -220,7 +236,7 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
     _warm_up(engine, warm, args)
     results = []
     for (k, dist), reqs in workloads.items():
-        steps_before = engine.num_steps
+        steps_before, stats_before = engine.num_steps, engine.stats()
         engine.runner.reset_moe_routing_stats()
         engine.step_timings = []
         sampler = StackSampler(threading.current_thread()) if args.sample_stacks else nullcontext()
@@ -228,8 +244,13 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         with compiled_kernels() as compiled, sampler:
             records = run_in_process(engine, reqs, adapters[:k], args.max_concurrency)
             engine.runner.synchronize()  # every logged step's device events have fired
-        extra = {"engine_steps": engine.num_steps - steps_before, **engine.stats(),
+        stats = engine.stats()
+        extra = {"engine_steps": engine.num_steps - steps_before, **stats,
                  "steps": step_profile(engine.step_timings), "compiled_while_timed": compiled}
+        queried = stats["prefix_cache_queried_tokens"] - stats_before["prefix_cache_queried_tokens"]
+        if queried:  # this run's prompt tokens found in the prefix cache
+            extra["prefix_cache_hit_rate"] = round(
+                (stats["prefix_cache_hit_tokens"] - stats_before["prefix_cache_hit_tokens"]) / queried, 4)
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
             extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in pinned_allocs().items()}
         if args.sample_stacks:

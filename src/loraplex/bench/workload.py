@@ -1,8 +1,10 @@
-"""Benchmark workloads in the manner of `vllm bench serve --dataset-name random`.
+"""Benchmark workloads in the manner of `vllm bench serve --dataset-name random` (and
+`prefix_repetition`).
 
 N prompts of exactly `input_len` tokens (random ids; with the word tokenizer the text
 `t<i> t<j> ...` encodes to exactly those ids), each asking for `output_len` tokens with
-ignore_eos, each assigned an adapter: uniformly or Zipf over K adapters, or none.
+ignore_eos, each assigned an adapter: uniformly or Zipf over K adapters, or none; with a
+shared prefix, the prompts of one adapter begin alike.
 Also prepares what a run needs: a model directory (a real one, or a bundled config with
 a word tokenizer for dummy weights) and K random PEFT adapters.
 """
@@ -33,8 +35,12 @@ class BenchRequest:
 
 def make_requests(
     num_prompts: int, input_len: int, output_len: int, vocab_size: int,
-    num_adapters: int, distribution: str, seed: int,
+    num_adapters: int, distribution: str, seed: int, prefix_len: int = 0, num_prefixes: int | None = None,
 ) -> list[BenchRequest]:
+    """`prefix_len` > 0: vLLM's prefix_repetition, shaped for adapters: each prompt starts
+    with one of `num_prefixes` shared prefixes (default: one per adapter, each adapter's
+    requests sharing its own, as tenants send one system prompt with every request; base
+    requests take them in turn), then input_len - prefix_len tokens of its own."""
     rng = np.random.default_rng(seed)
     if num_adapters == 0 or distribution == "none":
         picks = [None] * num_prompts
@@ -46,8 +52,16 @@ def make_requests(
     else:
         raise ValueError(f"unknown adapter distribution {distribution!r}; known: uniform, zipf, none")
     # Skip the lowest ids, where special tokens usually sit.
-    prompts = rng.integers(min(1000, vocab_size // 4), vocab_size, (num_prompts, input_len))
-    return [BenchRequest(p.tolist(), output_len, a) for p, a in zip(prompts, picks)]
+    low = min(1000, vocab_size // 4)
+    prompts = rng.integers(low, vocab_size, (num_prompts, input_len - prefix_len)).tolist()
+    if prefix_len:
+        if not 0 < prefix_len < input_len:
+            raise ValueError(f"a shared prefix of {prefix_len} tokens needs prompts longer than it")
+        n = num_prefixes or max(num_adapters, 1)
+        prefixes = rng.integers(low, vocab_size, (n, prefix_len)).tolist()
+        prompts = [prefixes[(a if a is not None else j) % n] + p
+                   for j, (p, a) in enumerate(zip(prompts, picks))]
+    return [BenchRequest(p, output_len, a) for p, a in zip(prompts, picks)]
 
 
 def prepare_model_dir(model: str, cache_dir: Path) -> tuple[Path, bool]:
