@@ -119,7 +119,7 @@ def test_invalid_requests_raise_typed_errors(model_dirs):
         assert not llm.engine.has_unfinished_requests()
     for bad in [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
                 dict(max_tokens=0), dict(min_tokens=5, max_tokens=2), dict(logprobs=-1),
-                dict(stop=[""]), dict(n=2)]:
+                dict(stop=[""]), dict(n=0), dict(n=2, best_of=1)]:
         with pytest.raises(InvalidRequest):
             SamplingParams(**bad)
     assert llm.generate([ok], SP)[0].outputs[0].finish_reason == "length"
