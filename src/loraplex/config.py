@@ -79,16 +79,39 @@ class QuantConfig:
                 unsupported(f"weight_block_size {block!r} (a [N, K] block is required)")
             return cls(method, "fp8", weight_block=tuple(block), skip=skip)
         if method == "compressed-tensors":
-            groups = list((q.get("config_groups") or {}).values())
+            # llm-compressor's FP8 checkpoints (format float-quantized: e4m3 `weight` [N, K]
+            # and `weight_scale` [N, 1] per channel or [1] per tensor, W = weight * scale).
+            # Their dynamic activation quantization (e4m3 per token at run time) is not
+            # applied: ops.linear reads the weight dequantized and leaves activations be.
+            groups = q.get("config_groups") or {}
             if len(groups) != 1:
                 unsupported(f"{len(groups)} config groups")
-            weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+            [(group_name, group)] = groups.items()
+            if not isinstance(group, dict):  # a preset's name mapped to its targets
+                unsupported(f"the preset scheme {group_name!r}")
+            fmt = group.get("format") or q.get("format")
+            if fmt not in ("float-quantized", "naive-quantized"):
+                unsupported(f"format {fmt!r} (FP8 float-quantized only)")
+            weights, inputs = group.get("weights") or {}, group.get("input_activations")
             if weights.get("type") != "float" or weights.get("num_bits") != 8:
                 unsupported(f"weights {weights.get('type')} of {weights.get('num_bits')} bits")
             if weights.get("strategy") not in ("channel", "tensor") or weights.get("dynamic"):
-                unsupported(f"weight strategy {weights.get('strategy')!r}")
-            if inputs is not None and not inputs.get("dynamic"):
+                unsupported(f"weight strategy {weights.get('strategy')!r}"
+                            + (" (dynamic)" if weights.get("dynamic") else ""))
+            if not weights.get("symmetric", True):
+                unsupported("asymmetric weights (zero points)")
+            if weights.get("actorder"):
+                unsupported(f"actorder {weights.get('actorder')!r}")
+            if inputs is not None and inputs.get("dynamic") is not True:
                 unsupported("static activation scales")
+            if group.get("output_activations") is not None:
+                unsupported("output activation quantization")
+            if q.get("kv_cache_scheme") is not None:
+                unsupported("kv_cache_scheme (a quantized KV cache)")
+            if q.get("transform_config"):
+                unsupported("transform_config (rotated weights)")
+            if (q.get("sparsity_config") or {}).get("format", "dense") != "dense":
+                unsupported(f"sparsity format {q['sparsity_config'].get('format')!r}")
             block = (1, 0) if weights["strategy"] == "channel" else (0, 0)
             return cls(method, "fp8", weight_block=block, skip=skip)
         if method in ("awq", "gptq"):

@@ -1,10 +1,14 @@
 """`loraplex tune`: time block configs of the MoE grouped GEMM on this GPU and write the
-best per token count to the JSON files ops/triton/moe_configs.py reads.
+best per token count to the JSON files ops/triton/moe_configs.py reads (FP8 checkpoints
+and --quantization fp8: the FP8 dense GEMM's too, bench/tune_fp8.py).
 
 Each of a layer's two GEMMs is tuned on its own (gate/up with the fused activation, as
 steps without expert adapters run it; down with the routing weight), over random
 routing. A config is timed with CUDA events around a batch of launches, median of
 repeats; configs that fail to compile (shared memory, registers) are skipped.
+Quantized experts (`--quantization mxfp4|fp8`, by default the model's own) tune their
+own GEMM (moe_gemm_quant.py) into files of their own; decode steps of no more pairs
+than experts run its GEMV form (moe_gemv_quant.py), which has no configs to tune.
 """
 
 from __future__ import annotations
@@ -19,31 +23,38 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.errors import LoraplexError, UnsupportedModel
+from loraplex.errors import LoraplexError, ModelLoadError, UnsupportedModel
+from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
+from loraplex.ops.reference.quant import quantize_fp8, quantize_mxfp4
 from loraplex.ops.triton.moe_align import align_experts
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, config_file_name, device_name, save_configs
 from loraplex.ops.triton.moe_gemm import moe_gemm
+from loraplex.ops.triton.moe_gemm_quant import MIN_BLOCK_K, moe_gemm_quant
 
 logger = logging.getLogger("loraplex")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 SMEM_BYTES = 200 * 1024  # H100 / H200 allow 227 KiB per block; leave room for the epilogue
+FORMATS = ("mxfp4", "fp8")
+WEIGHT_BYTES = {"mxfp4": 0.5, "fp8": 1}  # stored bytes per weight value
 
 
 def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 2,
-               fused: bool = False) -> list[dict]:
+               fused: bool = False, fmt: str | None = None) -> list[dict]:
     """The search space for one token count: BLOCK_M no taller than twice the average
-    pairs per expert (taller blocks are padding), pipelines that fit shared memory."""
+    pairs per expert (taller blocks are padding), pipelines that fit shared memory
+    (activation tiles of elem_bytes, weight tiles as stored: fmt's bytes per value)."""
     rows = num_tokens * top_k / num_experts
     max_m = max(16, 2 * triton.next_power_of_2(math.ceil(rows)))
     space = ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5))
     if rows >= 64:  # prefill: a GEMM per expert; small tiles and short pipelines only lose,
         # and each config is a compile (~1 s): search the tensor-core sizes alone
         space = ((64, 128), (64, 128, 256), (64,), (1, 16), (4, 8), (3, 4))
+    w_bytes = WEIGHT_BYTES[fmt] if fmt else elem_bytes
     out = []
     for bm, bn, bk, gm, warps, stages in itertools.product(*space):
-        tiles = bm * bk + bk * bn * (2 if fused else 1)  # A tile, W tile(s) per stage
-        if bm > max_m or stages * tiles * elem_bytes > SMEM_BYTES:
+        tiles = bm * bk * elem_bytes + bk * bn * (2 if fused else 1) * w_bytes  # A, W tile(s) per stage
+        if bm > max_m or stages * tiles > SMEM_BYTES or (fmt and bk < MIN_BLOCK_K):
             continue
         if gm > 1 and bm * 4 > rows:  # grouped ordering needs several blocks per expert
             continue
@@ -69,13 +80,14 @@ def time_ms(fn, repeats: int = 20, inner: int = 10) -> float:
 
 
 def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: bool,
-          elem_bytes: int) -> dict:
+          elem_bytes: int, fmt: str | None = None) -> dict:
     topk_ids, a, w, out, kwargs = gemm_inputs
+    gemm = moe_gemm_quant if fmt else moe_gemm
     best, best_ms = None, math.inf
-    for cfg in candidates(num_tokens, top_k, num_experts, elem_bytes, fused):
+    for cfg in candidates(num_tokens, top_k, num_experts, elem_bytes, fused, fmt):
         align = align_experts(topk_ids, num_experts, cfg["BLOCK_M"])
         try:
-            ms = time_ms(lambda: moe_gemm(a, w, None, out, align, cfg, **kwargs))  # noqa: B023
+            ms = time_ms(lambda: gemm(a, w, None, out, align, cfg, **kwargs))  # noqa: B023
         except Exception as e:  # out of resources, compile errors: not a candidate here
             logger.debug("skipping %s: %s", cfg, e)
             continue
@@ -85,14 +97,31 @@ def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: boo
     return best
 
 
+def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, fmt: str | None,
+                   device, gen: torch.Generator, block_k: int = 128):
+    """Random gate/up [E, 2I, H] and down [E, H, I] experts, N(0, 0.02), in format fmt
+    (None: plain dtype tensors; "fp8": scale blocks of block_k columns)."""
+    out = []
+    for shape in ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter)):
+        values = torch.randn(shape, device=device, generator=gen) * 0.02
+        if fmt == "mxfp4":
+            out.append(quantize_mxfp4(values, out=Mxfp4Weight(shape, dtype, device)))
+        elif fmt == "fp8":
+            out.append(quantize_fp8(values, block_k, out=Fp8Weight(shape, block_k, dtype, device)))
+        else:
+            out.append(values.to(dtype))
+    return tuple(out)
+
+
 def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
-         batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None) -> list[Path]:
-    """Tune both GEMMs of an MoE layer for each token count; returns the files written."""
+         batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None, fmt: str | None = None,
+         block_k: int = 128) -> list[Path]:
+    """Tune both GEMMs of an MoE layer for each token count, on experts in format fmt
+    (None: dtype tensors); returns the files written."""
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
-    w_gu = (torch.randn(num_experts, 2 * inter, hidden, device=dev, generator=gen) * 0.02).to(dtype)
-    w_d = (torch.randn(num_experts, hidden, inter, device=dev, generator=gen) * 0.02).to(dtype)
-    elem = w_gu.element_size()
+    w_gu, w_d = expert_weights(num_experts, hidden, inter, dtype, fmt, dev, gen, block_k)
+    elem = torch.empty(0, dtype=dtype).element_size()
     best_gu, best_d = {}, {}
     for t in batch_sizes:
         logits = torch.randn(t, num_experts, device=dev, generator=gen)
@@ -104,12 +133,12 @@ def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dty
         d_out = torch.empty(t * top_k, hidden, dtype=dtype, device=dev)
         gu = (ids, x, w_gu, gu_out, dict(row_div=top_k, activation="silu"))
         d = (ids, h, w_d, d_out, dict(row_div=1, routed_weights=weights.contiguous()))
-        best_gu[t] = _best(gu, t, top_k, num_experts, True, elem)
-        best_d[t] = _best(d, t, top_k, num_experts, False, elem)
+        best_gu[t] = _best(gu, t, top_k, num_experts, True, elem, fmt)
+        best_d[t] = _best(d, t, top_k, num_experts, False, elem, fmt)
     out = Path(out_dir) if out_dir else PACKAGE_DIR
     name = device_name(dev)
-    paths = [out / config_file_name(name, num_experts, 2 * inter, hidden, dtype),
-             out / config_file_name(name, num_experts, hidden, inter, dtype)]
+    paths = [out / config_file_name(name, num_experts, 2 * inter, hidden, dtype, fmt),
+             out / config_file_name(name, num_experts, hidden, inter, dtype, fmt)]
     for path, table in zip(paths, (best_gu, best_d)):
         save_configs(path, {t: cfg for t, cfg in table.items() if cfg is not None})
         print(f"wrote {path}")
@@ -117,7 +146,9 @@ def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dty
 
 
 def main(args: argparse.Namespace) -> int:
-    """`loraplex tune` (arguments declared in entrypoints/cli.py)."""
+    """`loraplex tune` (arguments declared in entrypoints/cli.py): the MoE GEMMs of a MoE
+    model, and the FP8 dense GEMM (bench/tune_fp8.py) at the projection shapes of an FP8
+    checkpoint or of any model with --quantization fp8."""
     from transformers import AutoConfig
 
     from loraplex.bench.workload import MOE_CONFIGS, prepare_model_dir
@@ -126,11 +157,31 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
     model_dir, _ = prepare_model_dir(args.model, Path(args.cache_dir))
     cfg = model_config(AutoConfig.from_pretrained(model_dir))
-    if not cfg.moe_layers:
+    if args.quantization and cfg.quant is not None and cfg.quant.format != args.quantization:
+        raise ModelLoadError(f"the checkpoint is {cfg.quant.method}-quantized; --quantization "
+                             f"{args.quantization} cannot apply to it")
+    fp8 = args.quantization == "fp8" or (cfg.quant is not None and cfg.quant.format == "fp8")
+    if not cfg.moe_layers and not fp8:
         raise UnsupportedModel(f"{args.model}: not a mixture-of-experts model, and only MoE kernels "
-                               f"are tuned (bundled MoE configs: {', '.join(MOE_CONFIGS)})")
+                               f"(bundled MoE configs: {', '.join(MOE_CONFIGS)}) and FP8 GEMMs "
+                               f"(an FP8 checkpoint, or --quantization fp8) are tuned")
     if not torch.cuda.is_available():
         raise LoraplexError("loraplex tune times kernels on a CUDA GPU; this machine has none")
-    tune(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-         getattr(torch, args.dtype), args.batch_sizes or BATCH_SIZES, args.out)
+    dtype, batch_sizes = getattr(torch, args.dtype), args.batch_sizes or BATCH_SIZES
+    if cfg.moe_layers:
+        tune(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+             dtype, batch_sizes, args.out, *experts_format(cfg.quant, args.quantization))
+    if fp8:
+        from loraplex.bench import tune_fp8
+
+        tune_fp8.tune(tune_fp8.gemm_shapes(cfg), tune_fp8.scale_block(cfg), dtype, batch_sizes, args.out)
     return 0
+
+
+def experts_format(quant, asked: str | None) -> tuple[str | None, int]:
+    """(format of the MoE experts to tune, fp8 scale block): the checkpoint's own where
+    its experts are quantized (gpt-oss's MXFP4, FP8 checkpoints), else the one asked for
+    (--quantization: the format serving with it gives them), else plain tensors (None)."""
+    fmt = quant.format if quant is not None else asked
+    block = quant.weight_block if quant is not None and quant.format == "fp8" else None
+    return (fmt if fmt in FORMATS else None), (block[1] if block and block[1] else 128)

@@ -105,9 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(b)
     b.set_defaults(func=bench.main)
 
-    tune = sub.add_parser("tune", help="tune the MoE kernels' block configs on this GPU (JSON files)")
+    tune = sub.add_parser("tune", help="tune the MoE kernels' and the FP8 GEMM's block configs on "
+                                       "this GPU (JSON files)")
     tune.add_argument("--model", required=True,
-                      help="MoE model directory, or a bundled MoE config: " + ", ".join(MOE_CONFIGS))
+                      help="MoE or FP8 model directory, or a bundled MoE config: " + ", ".join(MOE_CONFIGS))
+    tune.add_argument("--quantization", choices=["fp8", "mxfp4"], default=None,
+                      help="tune for serving with --quantization: fp8 also tunes the FP8 GEMM at the "
+                           "model's projection shapes; a MoE model's experts are tuned in that "
+                           "format (a quantized checkpoint's are tuned in its own without it)")
     tune.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=None,
                       help="token counts to tune (default: 1 to 4096)")
     tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

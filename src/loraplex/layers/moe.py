@@ -83,6 +83,7 @@ class SparseMoE(nn.Module):
     def warm_up_key(self) -> tuple:
         """Layers with equal keys compile the same kernel variants."""
         e = self.experts
-        return (tuple(e.gate_up_proj.shape), e.gate_up_proj.dtype, e.gate_up_proj_bias is not None,
+        return (tuple(e.gate_up_proj.shape), e.gate_up_proj.dtype, type(e.gate_up_proj).__name__,
+                getattr(e.gate_up_proj, "block_k", None), e.gate_up_proj_bias is not None,
                 e.lora is not None and tuple(e.lora.a_gate_up.shape), self.top_k,
                 self.renormalize, self.activation, self.swiglu_limit)

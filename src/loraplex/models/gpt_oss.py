@@ -9,6 +9,9 @@ are softmaxed (= softmax, top-k, renormalise), biased experts with the clamped S
 Checkpoints store the experts transposed ([E, H, 2I] and [E, I, H]) with gate and up
 interleaved (gate = columns 0::2, up = 1::2, biases likewise); `checkpoint_transform`
 turns them into loraplex's [E, 2I, H] (gate rows, then up rows) and [E, H, I] on load.
+The published MXFP4 checkpoint (gpt-oss-20b, -120b) stores the experts' blocks and
+scales untransposed ([E, out, in / 32, 16] and [E, out, in / 32]), gate_up's rows
+interleaved alike: they are only de-interleaved here (models/quant_mxfp4.py takes them).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class GptOssCausalLM(DenseCausalLM):
         if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H]
             t = tensor.transpose(1, 2)
             return torch.cat((t[:, 0::2], t[:, 1::2]), 1)
-        if name.endswith(".experts.gate_up_proj_bias"):  # [E, 2I] interleaved
-            return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), 1)
+        if name.endswith((".experts.gate_up_proj_bias", ".experts.gate_up_proj_blocks",
+                          ".experts.gate_up_proj_scales")):  # rows [E, 2I, ...] interleaved
+            # (a tensor of too few dims is left for the loader to name)
+            return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), 1) if tensor.dim() >= 2 else tensor
         if name.endswith(".experts.down_proj"):  # [E, I, H] -> [E, H, I]
             return tensor.transpose(1, 2)
         return tensor

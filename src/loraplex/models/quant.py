@@ -169,23 +169,40 @@ def _finite_scales(name: str, scale: torch.Tensor) -> None:
 
 def _ingest_fp8(w: Fp8Weight, quant: QuantConfig, kind: str, tensor: torch.Tensor,
                 name: str) -> tuple[str, ...]:
+    """fp8 (DeepSeek / Qwen block-scaled): `weight` e4m3 and `weight_scale_inv` [ceil(n /
+    bn), ceil(k / bk)]. compressed-tensors (llm-compressor's float-quantized FP8, as
+    compressed_tensors' initialize_qparams shapes them): `weight` e4m3 and `weight_scale`
+    [n, 1] (strategy channel) or [1] (tensor) in the original weight's float dtype; a
+    `weight_zero_point` (symmetric checkpoints of older versions) must be all zero."""
     data, scale = w.data, w.scale
     n, k = data.shape[-2:]
     if kind == "weight":
         _expect(name, tensor, data.shape, torch.float8_e4m3fn)
         data.copy_(tensor)
         return ("data",)
-    if kind == "weight_scale_inv":  # [ceil(n / bn), ceil(k / bk)] blocks: one scale per row here
-        bn, bk = quant.weight_block
-        _expect(name, tensor, (*data.shape[:-2], math.ceil(n / bn), math.ceil(k / bk)))
+    if quant.method == "fp8":
+        if kind == "weight_scale_inv":  # [ceil(n / bn), ceil(k / bk)] blocks: one scale per row here
+            bn, bk = quant.weight_block
+            _expect(name, tensor, (*data.shape[:-2], math.ceil(n / bn), math.ceil(k / bk)))
+            _finite_scales(name, tensor)
+            scale.copy_(tensor.float().repeat_interleave(bn, dim=-2)[..., :n, :])
+            return ("scale",)
+        return ()
+    # compressed-tensors: per channel (weight_block (1, 0)) or per tensor ((0, 0)); the
+    # weight's scale columns are one (block_k = K).
+    per_channel = quant.weight_block == (1, 0)
+    shape = (*data.shape[:-2], n, 1) if per_channel else (1,)
+    if kind == "weight_scale":
+        _expect(name, tensor, shape)
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected a float dtype")
         _finite_scales(name, tensor)
-        scale.copy_(tensor.float().repeat_interleave(bn, dim=-2)[..., :n, :])
+        scale.copy_(tensor.float().reshape(*data.shape[:-2], -1, 1).expand(scale.shape))
         return ("scale",)
-    if kind == "weight_scale":  # compressed-tensors: [n, 1] per channel, or one per tensor
-        t = tensor.float().reshape(-1, 1) if tensor.numel() == n else tensor.float().reshape(1, 1)
-        if t.numel() not in (1, n):
-            raise ModelLoadError(f"{name}: {tensor.numel()} scales for {n} rows")
-        _finite_scales(name, t)
-        scale.copy_(t.expand(n, 1))
-        return ("scale",)
-    return ()
+    if kind == "weight_zero_point":
+        _expect(name, tensor, shape)
+        if (tensor.float() != 0).any():
+            raise ModelLoadError(f"{name}: nonzero zero points in a symmetric checkpoint")
+        return ()
+    raise ModelLoadError(f"{name}: not a tensor of compressed-tensors FP8 checkpoints "
+                         "(weight, weight_scale)")

@@ -147,7 +147,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
             proj = index[module_path]
             dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
             key = name
-        elif (stem := _fused_quantized(name, quantized)) is not None:  # e.g. gpt-oss's *_blocks
+        elif name not in params and (stem := _fused_quantized(name, quantized)) is not None:  # *_blocks
             done = ingest(quantized[stem], quant, kind, tensor, (), name)
             loaded |= {f"{stem}.{d}" for d in done}
             continue

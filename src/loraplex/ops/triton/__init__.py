@@ -7,12 +7,14 @@ Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 import torch
 
 from loraplex.ops import reference
-from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats import Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.reference.quant import dequantize
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
+from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
+from loraplex.ops.triton.int4_gemm import int4_linear
 from loraplex.ops.triton.kv_cache import write_kv_cache
 from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
 from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
@@ -50,6 +52,10 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """ops.linear of a quantized weight: one kernel per format (ops/formats.py)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias)
+    if isinstance(w, Int4Weight):
+        return int4_linear(x, w, bias)
     return reference.quant_linear(x, w, bias)
 
 

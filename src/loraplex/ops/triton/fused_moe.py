@@ -10,6 +10,12 @@ group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py); l
 ones sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
+Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored, never
+dequantized in memory: the grouped GEMM's quantized variant (moe_gemm_quant.py), or,
+for steps of no more pairs than experts (decode), one program per pair and column
+block (moe_gemv_quant.py), which needs no expert alignment. The expert LoRA kernels
+are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
+are dequantized on each call.)
 Every launch reads only device tensors and its grid depends on shapes only (no host
 sync: captured and replayed in a CUDA graph on an H100, matching eager bit for bit).
 """
@@ -18,14 +24,18 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
 from loraplex.ops.triton.moe_gemm import gemm_config, moe_gemm
+from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant
+from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
 from loraplex.ops.triton.moe_lora import lora_block_m, moe_lora
 from loraplex.ops.triton.moe_lora_gemv import moe_lora_gemv, splits_per_pair
+from loraplex.ops.triton.quant_tiles import KERNEL_FORMATS
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
@@ -34,6 +44,23 @@ def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, i
     if num_tokens <= GEMV_MAX_TOKENS:
         return "gemv", splits_per_pair(num_tokens * top_k, device)
     return "aligned", lora_block_m(num_tokens * top_k)
+
+
+def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
+    """The base expert kernels a step of num_tokens runs: "gemv" (quantized experts, no
+    more pairs than experts: moe_gemv_quant.py) or "gemm" (the grouped GEMM over aligned
+    pair blocks: moe_gemm.py, moe_gemm_quant.py)."""
+    quantized = isinstance(w_gate_up, KERNEL_FORMATS) and isinstance(w_down, KERNEL_FORMATS)
+    return "gemv" if quantized and num_tokens * top_k <= w_gate_up.shape[0] else "gemm"
+
+
+def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, **epilogue) -> None:
+    """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form."""
+    if align is None:
+        moe_gemv_quant(a, w, bias, out, topk_ids, row_div, **epilogue)
+    else:
+        gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm
+        gemm(a, w, bias, out, align, cfg, row_div, **epilogue)
 
 
 def fused_experts(
@@ -52,7 +79,8 @@ def fused_experts(
     sum_topk: bool = True,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
-    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else dequantize(w) for w in (w_gate_up, w_down))
+    w_gate_up, w_down = (dequantize(w) if isinstance(w, QuantizedWeight) and not isinstance(w, KERNEL_FORMATS)
+                         else w for w in (w_gate_up, w_down))
     limit = check_activation(activation, swiglu_limit)
     t, top_k = topk_ids.shape
     num_experts, two_i, hidden = w_gate_up.shape
@@ -60,8 +88,16 @@ def fused_experts(
     if t == 0:
         return x.new_empty(0, hidden) if sum_topk else x.new_empty(0, top_k, hidden)
     p, dev = t * top_k, x.device
+    gemv = base_form(t, top_k, w_gate_up, w_down) == "gemv"
     cfg_gu, cfg_d = gemm_config(w_gate_up, t, top_k), gemm_config(w_down, t, top_k)
     weights = topk_weights.float().contiguous()
+
+    def align_base(block_m, stats):
+        if not gemv:
+            return align_experts(topk_ids, num_experts, block_m, stats)
+        if stats is not None:  # the GEMV form reads topk_ids as they are: aligned only to
+            align_experts(topk_ids, num_experts, block_m, stats)  # count the experts hit
+        return None
 
     align_l = delta_gu = delta_d = None
     if lora is not None:
@@ -90,24 +126,24 @@ def fused_experts(
         side_stream.wait_stream(main)
         with torch.cuda.stream(side_stream):
             gate_up_delta()
-        align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
+        align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
         main.wait_stream(side_stream)
     else:
-        align_gu = align_experts(topk_ids, num_experts, cfg_gu["BLOCK_M"], routing_stats)
+        align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
         if lora is not None:
             gate_up_delta()
-    align_d = (align_gu if cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
+    align_d = (align_gu if gemv or cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
                else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
 
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
-    moe_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, activation, limit,
-             delta=delta_gu, lora=lora, top_k=top_k)
+    _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
+                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k)
     if lora is not None:
         delta_d = torch.empty(p, lora.b_down.shape[2], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
-    moe_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, routed_weights=weights,
-             delta=delta_d, lora=lora, top_k=top_k)
+    _expert_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
+                 delta=delta_d, lora=lora, top_k=top_k)
     y = y.view(t, top_k, hidden)
     return y.sum(1) if sum_topk else y
 
@@ -115,14 +151,16 @@ def fused_experts(
 def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
                          max_tokens: int) -> list[int]:
     """Token counts whose batches, between them, run every kernel variant fused_experts
-    can pick for 1..max_tokens tokens: per distinct choice of GEMM configs (tuned or
-    default, both follow the token count) and expert-LoRA tile, its smallest and largest
-    count and its first multiple of 16 (Triton also specializes on an integer's
-    divisibility by 16)."""
+    can pick for 1..max_tokens tokens: per distinct choice of base form, GEMM configs
+    (tuned or default, both follow the token count) and expert-LoRA tile, its smallest
+    and largest count and its first multiple of 16 (Triton also specializes on an
+    integer's divisibility by 16)."""
     ranges: dict[tuple, list[int]] = {}
     for t in range(1, max_tokens + 1):
-        key = (tuple(gemm_config(w_gate_up, t, top_k).items()),
-               tuple(gemm_config(w_down, t, top_k).items()), lora_form(t, top_k, w_gate_up.device))
+        form = base_form(t, top_k, w_gate_up, w_down)
+        configs = None if form == "gemv" else (tuple(gemm_config(w_gate_up, t, top_k).items()),
+                                                tuple(gemm_config(w_down, t, top_k).items()))
+        key = (form, configs, lora_form(t, top_k, w_gate_up.device))
         ranges.setdefault(key, []).append(t)
     counts = set()
     for ts in ranges.values():

@@ -2,8 +2,10 @@
 
 One file per device, GEMM shape and dtype, written by `loraplex tune` (bench/tune_moe.py):
 `moe_gemm_<device>_E<E>_N<N>_K<K>_<dtype>.json`, where the weight is [E, N, K] (the
-gate/up GEMM: N = 2I, K = H; the down GEMM: N = H, K = I). Its keys are token counts,
-its values the kernel's constexprs. A batch takes the entry of the nearest token count.
+gate/up GEMM: N = 2I, K = H; the down GEMM: N = H, K = I). Quantized experts' GEMM
+(moe_gemm_quant.py) has files of its own, `moe_gemm_<format>_<device>_...` (format
+mxfp4 or fp8; dtype the activations'). Keys are token counts, values the kernel's
+constexprs. A batch takes the entry of the nearest token count.
 Files are looked up in $LORAPLEX_MOE_CONFIG_DIR (os.pathsep-separated directories),
 then in the package's configs/ directory.
 """
@@ -16,6 +18,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 
 PACKAGE_DIR = Path(__file__).parent / "configs"
 ENV_VAR = "LORAPLEX_MOE_CONFIG_DIR"
@@ -33,8 +37,15 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index).replace(" ", "_").replace("/", "_")
 
 
-def config_file_name(device: str, num_experts: int, n: int, k: int, dtype: torch.dtype) -> str:
-    return f"moe_gemm_{device}_E{num_experts}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}.json"
+def weight_format(w) -> str | None:
+    """The format a weight's GEMM configs are tuned for: None (a tensor), "mxfp4", "fp8"."""
+    return "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+
+
+def config_file_name(device: str, num_experts: int, n: int, k: int, dtype: torch.dtype,
+                     fmt: str | None = None) -> str:
+    kind = f"{fmt}_" if fmt else ""
+    return f"moe_gemm_{kind}{device}_E{num_experts}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}.json"
 
 
 def search_dirs() -> list[Path]:
@@ -62,12 +73,13 @@ def _nearest_count(table: dict[int, dict], num_tokens: int) -> int:
     return min(table, key=lambda m: (abs(m - num_tokens), m))
 
 
-def tuned_config(w: torch.Tensor, num_tokens: int) -> dict | None:
-    """The tuned config of weight w [E, N, K] on its GPU for `num_tokens`, if a file exists."""
-    if not w.is_cuda:
+def tuned_config(w, num_tokens: int) -> dict | None:
+    """The tuned config of weight w [E, N, K] (a tensor or a quantized weight) on its GPU
+    for `num_tokens`, if a file exists."""
+    if w.device.type != "cuda":
         return None
     e, n, k = w.shape
-    table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype))
+    table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype, weight_format(w)))
     if not table:
         return None
     m = _nearest_count(table, num_tokens)

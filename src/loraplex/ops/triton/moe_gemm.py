@@ -9,9 +9,10 @@ n + I) and stores act(gate) * up, so the [P, 2I] output never exists; MUL_ROUTED
 scales each row by its routing weight before the store. With a LoRA delta (moe_lora.py:
 the adapters' contribution per pair, written only for pairs whose token has an adapter
 on these experts) the epilogue adds it to the fp32 accumulator of those rows before
-the activation and the routing weight, so base and adapter output are rounded once.
-fp32 accumulation; blocks past the valid count (worst-case grid) exit at once. Outputs
-are indexed by pair.
+the activation and the routing weight, so base and adapter output are rounded once
+(moe_epilogue.py, shared with the quantized experts' GEMMs, moe_gemm_quant.py). fp32
+accumulation; blocks past the valid count (worst-case grid) exit at once. Outputs are
+indexed by pair.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import triton.language as tl
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
-from loraplex.ops.triton.moe_act import gated_act
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config
+from loraplex.ops.triton.moe_epilogue import store_pairs
 from loraplex.ops.triton.precision import dot_settings
 
 # Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
@@ -97,30 +98,11 @@ def _moe_gemm_kernel(
             u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
 
-    if HAS_BIAS:
-        bias = bias_ptr + expert * stride_be + offs_n * stride_bn
-        acc += tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if FUSE_ACT:
-            acc_up += tl.load(bias + N * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_DELTA:  # rows of tokens with an adapter on these experts (as align_lora keeps)
-        slot = tl.load(token_slot_ptr + pairs // TOP_K, mask=m_mask, other=-1)
-        covered = m_mask & (slot >= 0)
-        if USE_SLOT_MASK:
-            covered &= tl.load(slot_mask_ptr + slot, mask=covered, other=0) != 0
-        d_mask = covered[:, None] if EVEN_N else covered[:, None] & n_mask[None, :]
-        d = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
-        acc += tl.load(d, mask=d_mask, other=0.0).to(tl.float32)
-        if FUSE_ACT:
-            acc_up += tl.load(d + N, mask=d_mask, other=0.0).to(tl.float32)
-    if FUSE_ACT:
-        acc = gated_act(acc, acc_up, limit, ACTIVATION, ALPHA)
-    if MUL_ROUTED_WEIGHT:
-        acc *= tl.load(weights_ptr + pairs, mask=m_mask, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    if EVEN_N:  # rows alone masked: 16-byte stores (a mask against the runtime N splits them)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_pairs(acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
+                bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+                stride_be, stride_bn, stride_om, stride_on, stride_dm,
+                HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
+                MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm(

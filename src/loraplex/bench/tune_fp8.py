@@ -1,0 +1,140 @@
+"""`loraplex tune` for FP8 weights: time block configs of the FP8 dense GEMM
+(ops/triton/fp8_gemm.py) on this GPU at a model's projection shapes and write the best
+per token count to the JSON files ops/triton/fp8_configs.py reads.
+
+A model's shapes are its fused projections' [N, K] (q/k/v, o, gate/up, down of every
+dense layer), read from the model built on the meta device. Each is timed over random
+e4m3 weights with the model's scale blocks (128 columns for block-scaled checkpoints and
+load-time quantization, K per channel) as bench/tune_moe.py times the MoE GEMM: CUDA
+events around a batch of launches, median of repeats; configs that fail to compile or
+launch are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+from loraplex.bench.tune_moe import SMEM_BYTES, time_ms
+from loraplex.config import ModelConfig, QuantConfig
+from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
+from loraplex.ops.triton.fp8_gemm import fp8_linear, scale_mode
+from loraplex.ops.triton.moe_configs import PACKAGE_DIR, device_name, save_configs
+
+logger = logging.getLogger("loraplex")
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+# GEMV form: the [BLOCK_M, BLOCK_K, BLOCK_N] product in registers, at most 64 float32
+# values per thread of 4 warps (more spills).
+GEMV_MAX_PRODUCT = 64 * 32 * 4
+
+
+def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2) -> list[dict]:
+    """The search space for one token count, W [N, K] scaled per block_k columns: up to
+    GEMV_MAX_TOKENS the GEMV form (BLOCK_M the count rounded up to a power of 2) beside
+    tiles of 16 rows; above, tiles no taller than twice the count, pipelines that fit
+    shared memory. K steps stay whole scale blocks or parts of one (no per-element
+    scale gathers), and no longer than K rounded up to a power of 2."""
+    max_k = max(16, triton.next_power_of_2(k))
+
+    def scales_ok(bk: int) -> bool:
+        return bk <= max_k and scale_mode(block_k, k, bk) != "gather"
+
+    out = []
+    if num_tokens <= GEMV_MAX_TOKENS:
+        bm = triton.next_power_of_2(num_tokens)
+        for bn, bk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8)):
+            if bm * bn * bk <= GEMV_MAX_PRODUCT * warps // 4 and scales_ok(bk):
+                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps,
+                                num_stages=3))
+    max_m = max(MIN_DOT_M, 2 * triton.next_power_of_2(num_tokens))
+    space = ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
+    if num_tokens >= 256:  # prefill: tensor-core sizes only
+        space = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
+    for bm, bn, bk, warps, stages in itertools.product(*space):
+        if bm > max_m or not scales_ok(bk) or (warps == 8 and bm * bn < 64 * 128):
+            continue
+        # x and W (1 byte) tiles per stage, and the dequantized W tile beside them
+        if stages * (bm * bk * elem_bytes + bk * bn) + bk * bn * elem_bytes > SMEM_BYTES:
+            continue
+        # grouped ordering where there are several row blocks to group
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if num_tokens >= 4 * bm else 1,
+                        num_warps=warps, num_stages=stages))
+    return out
+
+
+def fp8_quant(cfg: ModelConfig) -> QuantConfig:
+    """The model's FP8 quantization: its checkpoint's, else load-time (--quantization fp8:
+    128-column scale blocks, as EngineArgs sets it)."""
+    if cfg.quant is not None:
+        return cfg.quant
+    return QuantConfig("fp8", "fp8", weight_block=(1, 128), online=True)
+
+
+def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The distinct [N, K] of the projections FP8 covers in the model (fused slices as
+    one), read from the model built on the meta device."""
+    from loraplex.layers.linear import LoRALinear, weights_deferred
+    from loraplex.models.quant import deferred_layers, quantized_layers
+    from loraplex.models.registry import build_model
+
+    cfg = replace(cfg, quant=fp8_quant(cfg))
+    with torch.device("meta"), weights_deferred():
+        model = build_model(cfg, cfg.max_position_embeddings)
+    covered = quantized_layers(model, cfg, None)
+    return sorted({tuple(m.weight.shape) for path, m in deferred_layers(model).items()
+                   if path in covered and isinstance(m, LoRALinear)})
+
+
+def scale_block(cfg: ModelConfig) -> int | None:
+    """K columns per scale of the model's FP8 weights (None: per channel, one block of K)."""
+    return fp8_quant(cfg).weight_block[1] or None
+
+
+def _best(x: torch.Tensor, w, num_tokens: int) -> dict | None:
+    best, best_ms = None, math.inf
+    for cfg in candidates(num_tokens, w.shape[1], w.block_k, x.element_size()):
+        try:
+            ms = time_ms(lambda: fp8_linear(x, w, None, cfg))  # noqa: B023
+        except Exception as e:  # out of resources, compile errors: not a candidate here
+            logger.debug("skipping %s: %s", cfg, e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    logger.info("N=%d K=%d T=%d: %s (%.4f ms)", *w.shape, num_tokens, best, best_ms)
+    return best
+
+
+def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
+         batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None) -> list[Path]:
+    """Tune the FP8 GEMM of each W [N, K] in `shapes` (scales per block_k columns, None:
+    per channel) for each token count; returns the files written."""
+    from loraplex.ops.formats import Fp8Weight
+    from loraplex.ops.reference.quant import quantize_fp8
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(dev).manual_seed(0)
+    out = Path(out_dir) if out_dir else PACKAGE_DIR
+    name = device_name(dev)
+    paths = []
+    for n, k in shapes:
+        w = Fp8Weight((n, k), block_k or k, dtype, dev)
+        quantize_fp8(torch.randn(n, k, device=dev, generator=gen) * 0.02, w.block_k, out=w)
+        table = {}
+        for t in batch_sizes:
+            x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
+            best = _best(x, w, t)
+            if best is not None:
+                table[t] = best
+        path = out / config_file_name(name, n, k, dtype)
+        save_configs(path, table)
+        print(f"wrote {path}")
+        paths.append(path)
+    clear_cache()
+    return paths

@@ -1,0 +1,73 @@
+"""Block configs of the FP8 dense GEMM (fp8_gemm.py): untuned defaults, and tuned ones
+read from JSON data files.
+
+One file per device, weight shape and activation dtype, written by `loraplex tune --fp8`
+(bench/tune_fp8.py): `fp8_gemm_<device>_N<N>_K<K>_<dtype>.json`, W being [N, K] (a
+fused projection's whole width: q/k/v together, gate/up together). Keys are token
+counts, values the kernel's constexprs (the MoE files' keys: BLOCK_M, BLOCK_N, BLOCK_K,
+GROUP_M, num_warps, num_stages); BLOCK_M under 16 selects the GEMV form. Files are found
+where the MoE configs are ($LORAPLEX_MOE_CONFIG_DIR, then the package's configs/:
+moe_configs.py's lookup, shared). A step takes the entry tuned for the nearest token
+count if it is within a factor of 2, else the defaults.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs
+
+# Under 16 rows tl.dot has no tile: BLOCK_M < 16 is the GEMV form (fp8_gemm.py).
+MIN_DOT_M = 16
+GEMV_MAX_TOKENS = 8  # the defaults' GEMV form up to here
+# Untuned defaults by token count. GEMV: the register product [BLOCK_M, BLOCK_K,
+# BLOCK_N] at most 8K elements (64 per thread of 4 warps), BLOCK_N small so that even a
+# narrow W gives a program per SM or more. Tiles: BLOCK_K 64 or 128 divides the usual
+# 128 scale block (one scale per row per tile).
+DEFAULT_CONFIGS = (
+    (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)),
+    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
+    (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
+)
+
+
+def config_file_name(device: str, n: int, k: int, dtype: torch.dtype) -> str:
+    return f"fp8_gemm_{device}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}.json"
+
+
+def default_config(num_tokens: int) -> dict:
+    if num_tokens <= GEMV_MAX_TOKENS:
+        bm = triton.next_power_of_2(max(1, num_tokens))
+        return dict(BLOCK_M=bm, BLOCK_N=min(32, 64 // bm), BLOCK_K=128, GROUP_M=1, num_warps=4,
+                    num_stages=4)
+    return dict(next(cfg for limit, cfg in DEFAULT_CONFIGS if num_tokens <= limit))
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype, num_tokens: int, device: torch.device) -> dict:
+    """The tuned config of W [N, K] with `dtype` activations on this GPU for
+    `num_tokens`, if a file has one near it, else the default."""
+    if device.type == "cuda":
+        table = _table(device_name(device), n, k, dtype)
+        if table:
+            m = min(table, key=lambda c: (abs(c - num_tokens), c))
+            if m / 2 <= num_tokens <= 2 * m:
+                return dict(table[m])
+    return default_config(num_tokens)
+
+
+@functools.cache
+def _table(device: str, n: int, k: int, dtype: torch.dtype) -> dict[int, dict] | None:
+    return load_configs(config_file_name(device, n, k, dtype))
+
+
+def clear_cache() -> None:
+    """Forget loaded tables (after a tuning run wrote new files)."""
+    _table.cache_clear()
+    load_configs.cache_clear()
+
+
+__all__ = ["CONFIG_KEYS", "DEFAULT_CONFIGS", "config_file_name", "default_config", "gemm_config"]

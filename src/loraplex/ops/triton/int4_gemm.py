@@ -1,0 +1,245 @@
+"""W4A16 GEMM of an int4 weight (ops/formats.py Int4Weight: AWQ, GPTQ).
+
+Semantics: out[t, n] = sum_k x[t, k] W[n, k] + bias[n], W[n, k] = (q[n, k] - zero[n, k //
+G]) * scale[n, k // G] computed in float32 and rounded once to w.dtype (then x's dtype),
+as ops.reference.quant.linear reads dequantize(w); float32 accumulation.
+
+W is never written out: each program reads its tile of packed bytes ([BLOCK_N, BLOCK_K /
+2] uint8, k = 2j in byte j's low nibble), splits the nibbles in registers (interleaved
+back into K order), turns them into floats without an int-to-float conversion (the code
+as a float32 mantissa under the exponent of 2^23, minus 2^23), applies the group's zero
+and scale in float32 and feeds tl.dot in x's dtype (bf16 / fp16 tensor cores; float32
+IEEE). The group's scale and zero come once per K step: one [BLOCK_N] vector when a step
+lies inside one group (G a multiple of BLOCK_K), a [BLOCK_N, BLOCK_K / G] tile spread
+over the step when several groups fit in it, else gathered per k (odd group sizes of
+small random models).
+
+Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
+- decode (T <= 64): small BLOCK_M (16, 32, 64 by T: mma tiles, a lone token padded to 16
+  rows) and split-K. The step is bound by reading W (4.25 bits a weight: 4, and a bf16
+  scale and zero per 128), so the grid is widened along K until every SM streams several
+  tiles; each split writes float32 partial sums and a second small kernel adds them (in
+  a fixed order: no atomics), the bias, and rounds once. The split is capped so the
+  partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's bytes.
+- prefill: 64 / 128-row tensor-core tiles in grouped order (GROUP_M row blocks sweep the
+  column blocks together, so a W tile is reused from L2), no split.
+The grid and every constexpr follow the shapes (and the SM count) alone: CUDA graphs
+replay the launches. Configs are untuned guesses (no GPU measured them yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.formats import Int4Weight
+from loraplex.ops.triton.precision import dot_settings
+
+# Untuned defaults by token count (H100/H200 guesses: no tuning file yet).
+DEFAULT_CONFIGS = (
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
+    (math.inf, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
+)
+# Split K until about this many programs per SM (a decode tile alone cannot keep enough
+# bytes in flight to fill an SM's share of memory bandwidth).
+PROGRAMS_PER_SM = 4
+MAX_SPLIT_K = 16
+SUM_BLOCK_N = 1024  # columns per program of the split-K sum
+
+
+@triton.jit
+def _group_values(rows, k0, k, K, n_mask, stride_g, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] (or broadcastable [BLOCK_N, 1]) float32 scales or zeros of
+    the step at k0 (`rows`: [BLOCK_N] pointers to each row's groups)."""
+    if GROUP % BLOCK_K == 0:  # the step lies inside one group
+        v = tl.load(rows + (k0 // GROUP) * stride_g, mask=n_mask, other=0.0).to(tl.float32)
+        return v[:, None]
+    elif BLOCK_K % GROUP == 0:  # BLOCK_K / GROUP whole groups
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & (g[None, :] < K // GROUP)
+        v = tl.load(rows[:, None] + g[None, :] * stride_g, mask=mask, other=0.0).to(tl.float32)
+        v = tl.broadcast_to(v[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP))
+        return tl.reshape(v, (BLOCK_N, BLOCK_K))
+    else:  # gathered per k
+        mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & (k[None, :] < K)
+        return tl.load(rows[:, None] + (k // GROUP)[None, :] * stride_g, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rounded(w, like_ptr, UPCAST: tl.constexpr):
+    """float32 w rounded to nearest (even) in like_ptr's element type. The interpreter
+    truncates float32 -> bf16, so there bf16's rounding is done on the bits first."""
+    if UPCAST and like_ptr.dtype.element_ty == tl.bfloat16:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        w = bits.to(tl.float32, bitcast=True)
+    return w.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_sg, stride_os, stride_om,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M consecutive row blocks sweep the column blocks together.
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * n_blocks
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    s_rows = scale_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = zero_ptr + offs_n.to(tl.int64) * stride_sn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_chunk = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * k_chunk, tl.minimum((pid_k + 1) * k_chunk, K), BLOCK_K):
+        k = k0 + offs_k
+        kb = k0 // 2 + offs_b
+        if EVEN_K:
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+            if EVEN_N:
+                packed = tl.load(q_rows + kb[None, :])
+            else:
+                packed = tl.load(q_rows + kb[None, :], mask=n_mask[:, None], other=0)
+        else:
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
+            packed = tl.load(q_rows + kb[None, :], mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0)
+        # Each nibble under the exponent of 2^23 is 2^23 + code as float32 bits; minus
+        # 2^23, the code as a float, exactly. Interleaved: [BLOCK_N, BLOCK_K] in K order.
+        packed = packed.to(tl.int32)
+        low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+        q = tl.interleave(low, high) - 8388608.0
+        scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+        zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+        # W rounded to its dtype (the scales'), as dequantize does, then to x's (the same
+        # in a model: no-op).
+        w = _rounded((q - zero) * scale, scale_ptr, UPCAST).to(x_ptr.dtype.element_ty)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+
+    out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc.to(out_ptr.dtype.element_ty)
+    if EVEN_N:
+        tl.store(out, acc, mask=m_mask[:, None])
+    else:
+        tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[m] = sum over the splits of part[s, m] (in split order) + bias, rounded once."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def int4_config(num_tokens: int, n: int, k: int, group: int, device: torch.device) -> dict:
+    """The launch config of [num_tokens, k] x [n, k]: the default table's row, its BLOCK_K
+    fitted to the group size, and the split of K."""
+    cfg = dict(next(c for limit, c in DEFAULT_CONFIGS if num_tokens <= limit))
+    block_k = cfg["BLOCK_K"]
+    if group % block_k and block_k % group:
+        # A step inside one group where the group has a power of two of at least 16 in it
+        # (tl.dot's smallest K); else scales gathered per k.
+        pow2 = group & -group
+        if pow2 >= 16:
+            cfg["BLOCK_K"] = pow2
+    cfg["SPLIT_K"] = _split_k(num_tokens, n, k, cfg, device)
+    return cfg
+
+
+def _split_k(m: int, n: int, k: int, cfg: dict, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    want = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), tiles))
+    # Partial sums: 2 x split x m x n x 4 bytes against W's n x k / 2: at most a quarter.
+    traffic_cap = _pow2_floor(max(1, k // (64 * m)))
+    k_blocks = _pow2_floor(triton.cdiv(k, cfg["BLOCK_K"]))
+    return max(1, min(want, MAX_SPLIT_K, traffic_cap, k_blocks))
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (v.bit_length() - 1)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, config: dict | None = None,
+                ) -> torch.Tensor:
+    """x [..., K] @ dequantize(w).T + bias -> [..., N] in x's dtype. `config` (tests)
+    replaces int4_config's."""
+    n, k = w.shape
+    assert w.data.dim() == 2 and x.shape[-1] == k, (x.shape, w.shape)
+    assert w.data.stride(1) == 1 and w.scale.stride() == w.zero.stride(), (w.scale.stride(), w.zero.stride())
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    bias = bias.contiguous() if bias is not None else None
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    cfg = dict(config) if config is not None else int4_config(m, n, k, w.group, x.device)
+    split_k = cfg.pop("SPLIT_K", 1)
+    num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
+    dest = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
+    _int4_gemm_kernel[grid](
+        x2, w.data, w.scale, w.zero, bias if bias is not None else w.scale, dest,
+        m, n, k,
+        x2.stride(0), w.data.stride(0), w.scale.stride(0), w.scale.stride(1),
+        dest.stride(0) if split_k > 1 else 0, dest.stride(-2),
+        GROUP=w.group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        **cfg, **dot_settings(x.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        _split_k_sum_kernel[(m, triton.cdiv(n, SUM_BLOCK_N))](
+            dest, bias if bias is not None else dest, out, m, n,
+            dest.stride(0), dest.stride(1), out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=SUM_BLOCK_N,
+        )
+    return out.view(*lead, n)

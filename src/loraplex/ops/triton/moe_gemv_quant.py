@@ -1,0 +1,148 @@
+"""Quantized MoE experts (MXFP4, FP8 block-scaled) for decode-sized steps, GEMV form: one
+program per (pair, BLOCK_N output columns), out[pair, :] = A[pair // row_div] @
+dequantize(W)[expert(pair)].T (+ bias) (+ delta), with the grouped GEMM's options and
+epilogue (moe_epilogue.py: activation, routing weight, LoRA delta).
+
+In a decode step most experts hit serve one pair or none (gpt-oss-20b: 4 of 32 per
+token); the grouped GEMM (moe_gemm_quant.py) would then run 16-row MMA tiles with one
+row in use, behind the expert alignment, and convert each dequantized tile to the MMA's
+operand layout. Here each program reads its pair's expert id straight from topk_ids (no
+alignment), streams its rows' quantized bytes once, dequantizes them in registers
+(quant_tiles.py: the values dequantize gives, rounded to the activations' dtype) and
+multiplies them with the activation row in float32 FMAs, accumulated elementwise and
+reduced once. Experts hit by several pairs are read once per pair (from L2 after the
+first): fused_moe.py takes this form only while the step's pairs are no more than the
+experts. The grid depends on the pair count alone (CUDA graphs).
+
+Oracle: ops.reference.moe.fused_experts with the same QuantizedWeight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
+from loraplex.ops.triton.moe_epilogue import store_pairs
+from loraplex.ops.triton.precision import INTERPRETED
+from loraplex.ops.triton.quant_tiles import format_args, fp8_cols, mxfp4_cols
+
+# Untuned (no GPU at hand when written): [BLOCK_K, BLOCK_N] float32 accumulators, two
+# with the fused activation, of 32 values per thread at 4 warps.
+GEMV_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4)
+
+
+@triton.jit
+def _x_row(row, k, K, stride_k, EVEN_K: tl.constexpr):
+    """The activation row at k [BLOCK_K], float32."""
+    x = tl.load(row + k * stride_k) if EVEN_K else tl.load(row + k * stride_k, mask=k < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "limit"])
+def _moe_gemv_quant_kernel(
+    a_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+    ids_ptr, N, K_STORED, num_pairs, limit,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_bn, stride_om, stride_on, stride_dm,
+    FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
+    ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
+    HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
+    ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
+    K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row = a_ptr + (pair // ROW_DIV).to(tl.int64) * stride_am
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # W.T tiles [BLOCK_K, BLOCK_N]
+    s_cols = scale_ptr + expert * stride_se + offs_n[None, :] * stride_sn
+    up_cols, up_s_cols = w_cols + N * stride_wn, s_cols + N * stride_sn  # FUSE_ACT: up rows, I on
+
+    offs_k = tl.arange(0, BLOCK_K)
+    if FORMAT == "mxfp4":
+        acc = tl.zeros((BLOCK_K // 2, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_K // 2, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j holds k = 2j and 2j + 1
+            x = tl.reshape(_x_row(row, k0 + offs_k, K, stride_ak, EVEN_K), (BLOCK_K // 2, 2))
+            x_even, x_odd = tl.split(x)
+            x_even, x_odd = x_even[:, None], x_odd[:, None]
+            lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk, BLOCK_K // 2,
+                                EVEN_K, a_ptr, UPCAST)
+            acc += lo.to(tl.float32) * x_even + hi.to(tl.float32) * x_odd
+            if FUSE_ACT:
+                lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                    BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                acc_up += lo.to(tl.float32) * x_even + hi.to(tl.float32) * x_odd
+    else:  # fp8
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            x = _x_row(row, k, K, stride_ak, EVEN_K)[:, None]
+            w = fp8_cols(w_cols, s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK, SCALE_PER_STEP,
+                         EVEN_K, a_ptr, UPCAST)
+            acc += w.to(tl.float32) * x
+            if FUSE_ACT:
+                u = fp8_cols(up_cols, up_s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK,
+                             SCALE_PER_STEP, EVEN_K, a_ptr, UPCAST)
+                acc_up += u.to(tl.float32) * x
+
+    # The pair as a one-row tile, for the grouped GEMM's epilogue.
+    pairs = pair + tl.arange(0, 1)
+    store_pairs(tl.sum(acc, 0)[None, :], tl.sum(acc_up, 0)[None, :], expert, pairs, pairs < num_pairs,
+                offs_n, n_mask, N, limit, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr,
+                slot_mask_ptr, stride_be, stride_bn, stride_om, stride_on, stride_dm,
+                HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
+                MUL_ROUTED_WEIGHT, EVEN_N)
+
+
+def moe_gemv_quant(
+    a: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, out: torch.Tensor,
+    topk_ids: torch.Tensor, row_div: int, activation: str | None = None, limit: float = math.inf,
+    routed_weights: torch.Tensor | None = None, delta: torch.Tensor | None = None,
+    lora: MoELoRA | None = None, top_k: int = 1,
+) -> None:
+    """out[p] = A[p // row_div] @ dequantize(w)[topk_ids.flat[p]].T (+ bias), for every
+    pair p of topk_ids [T, top_k]; the other arguments as moe_gemm's (moe_gemm.py)."""
+    e, n_w, k = w.shape
+    n = n_w // 2 if activation else n_w
+    num_pairs = topk_ids.numel()
+    assert a.shape[1] == k and out.shape == (num_pairs, n), (a.shape, w.shape, out.shape)
+    assert a.dtype == w.dtype and topk_ids.is_contiguous(), (a.dtype, w.dtype)
+    if routed_weights is not None:
+        assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
+    if delta is not None:
+        assert lora is not None and delta.shape == (num_pairs, n_w) and delta.stride(1) == 1
+    if num_pairs == 0:
+        return
+    # A K step dividing K where one does: unmasked rows, 16-byte loads (gpt-oss: 2880 = 45 x 64).
+    block_k = next((b for b in (GEMV_CONFIG["BLOCK_K"], 64, 32) if k % b == 0), GEMV_CONFIG["BLOCK_K"])
+    cfg = dict(GEMV_CONFIG, BLOCK_K=block_k)
+    grid = (num_pairs, triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_gemv_quant_kernel[grid](
+        a, w.data, w.scale, bias if bias is not None else a, out,
+        routed_weights if routed_weights is not None else a, delta if delta is not None else a,
+        lora.token_slot if lora is not None else a,
+        lora.slot_mask if lora is not None and lora.slot_mask is not None else a,
+        topk_ids, n, w.data.shape[-1], num_pairs, limit,
+        *a.stride(), *w.data.stride(), *w.scale.stride(), *(bias.stride() if bias is not None else (0, 0)),
+        *out.stride(), delta.stride(0) if delta is not None else 0,
+        **format_args(w, cfg["BLOCK_K"]), ROW_DIV=row_div, HAS_BIAS=bias is not None,
+        FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
+        USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
+        ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
+        MUL_ROUTED_WEIGHT=routed_weights is not None,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0,
+        EVEN_N=n % cfg["BLOCK_N"] == 0, UPCAST=INTERPRETED, num_warps=cfg["num_warps"],
+    )

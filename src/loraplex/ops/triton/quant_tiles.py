@@ -1,0 +1,127 @@
+"""Quantized weight tiles dequantized in registers, for the kernels that read a
+QuantizedWeight's bytes (ops/formats.py): the values ops.dequantize gives, bit for bit.
+
+`mxfp4_cols` / `fp8_cols` give one K step of W.T, [BLOCK_K, N] (as gemm_tiles.col_tile
+does for a plain weight), from `cols` [1, N] pointers to the weight's rows and
+`scale_cols` [1, N] to their scales. Values are the matmul operand: computed in float32
+(code x scale), rounded once to the activations' dtype (`like_ptr`'s element type) as
+dequantize rounds to w.dtype; under the interpreter (UPCAST) read back as float32
+(precision.py), the rounding kept.
+
+Hopper has no FP4 MMA, and FP8 MMA would need the activations quantized too, which
+ops.fused_experts' semantics exclude: both formats feed bf16 (or the model's dtype)
+operands to tl.dot, float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from loraplex.ops.formats import Fp8Weight, Mxfp4Weight, QuantizedWeight
+
+
+@triton.jit
+def operand(x, like_ptr, UPCAST: tl.constexpr):
+    """float32 values rounded (to nearest even) to like_ptr's element type; UPCAST: as
+    float32 again (the interpreter's float32 -> bf16 cast truncates: rounded by hand)."""
+    if not UPCAST:
+        y = x.to(like_ptr.dtype.element_ty)
+    elif like_ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(like_ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@triton.jit
+def e2m1(code):
+    """int32 e2m1 codes (0..15: sign bit 3, exponent bits 2..1, mantissa bit 0) -> float32
+    (0, +-0.5, 1, 1.5, 2, 3, 4, 6), built as float32 bits."""
+    e = (code >> 1) & 3
+    m = code & 1
+    # Normal (e > 0): 2^(e - 1) (1 + m / 2); subnormal (e = 0): m / 2, i.e. 0.5 or 0.
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0(s):
+    """int32 e8m0 scales (0..254) -> float32 2^(s - 127) (2^-127 is a float32 subnormal)."""
+    return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_values(data, scale, like_ptr, UPCAST: tl.constexpr):
+    """(low nibbles, high nibbles) of the bytes `data` (int32 tile) = (W at k = 2j, W at
+    k = 2j + 1) of byte j, each e2m1 x 2^(s - 127), s the e8m0 `scale` (int32, a tile
+    of data's shape)."""
+    s = e8m0(scale)
+    return operand(e2m1(data & 15) * s, like_ptr, UPCAST), operand(e2m1(data >> 4) * s, like_ptr, UPCAST)
+
+
+@triton.jit
+def fp8_values(data_ptrs, scale, mask, like_ptr, UPCAST: tl.constexpr):
+    """e4m3 values at data_ptrs times their float32 scale (a tile that broadcasts to
+    them: one per output row of the step, or one per element). Masked values are 0."""
+    q = tl.load(data_ptrs, mask=mask, other=0.0)
+    return operand(q.to(tl.float32) * scale, like_ptr, UPCAST)
+
+
+@triton.jit
+def mxfp4_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
+               EVEN_K: tl.constexpr, like_ptr, UPCAST: tl.constexpr):
+    """(W.T at the even k, W.T at the odd k) of the step whose bytes are j0 .. j0 +
+    BLOCK_KH of KH = K / 2 (k = 2 j0 ..), each [BLOCK_KH, N]: what a GEMM multiplies with
+    the activations' even and odd columns (two dots, no interleaving shuffle). The step's
+    BLOCK_KH / 16 scales per column are loaded once and broadcast over their 16 bytes."""
+    j = j0 + tl.arange(0, BLOCK_KH)
+    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
+    if EVEN_K:
+        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :], other=127)
+    else:
+        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
+                        other=127)
+    n: tl.constexpr = data.shape[1]
+    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_KH // 16, 16, n)), (BLOCK_KH, n))
+    return mxfp4_values(data.to(tl.int32), scale.to(tl.int32), like_ptr, UPCAST)
+
+
+@triton.jit
+def even_odd(t):
+    """[M, 2n] -> (t[:, 0::2], t[:, 1::2]), each [M, n]: a contiguous tile of the
+    activations split in registers to meet mxfp4_cols' even and odd rows."""
+    return tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+
+
+@triton.jit
+def fp8_cols(cols, scale_cols, k, k0, K, col_mask, stride_k, stride_sk, SCALE_BLOCK: tl.constexpr,
+             SCALE_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr, like_ptr, UPCAST: tl.constexpr):
+    """W.T at k [BLOCK_K] (the step from k0), [BLOCK_K, N]. SCALE_PER_STEP: the step lies
+    in one scale block (block_k a multiple of BLOCK_K, or the whole K), one scale per
+    column; otherwise each value's own."""
+    mask = col_mask[None, :] if EVEN_K else col_mask[None, :] & (k < K)[:, None]
+    if SCALE_PER_STEP:
+        scale = tl.load(scale_cols + (k0 // SCALE_BLOCK) * stride_sk, mask=col_mask[None, :], other=0.0)
+    else:
+        scale = tl.load(scale_cols + (k // SCALE_BLOCK)[:, None] * stride_sk, mask=mask, other=0.0)
+    return fp8_values(cols + k[:, None] * stride_k, scale, mask, like_ptr, UPCAST)
+
+
+# The formats the quantized expert kernels read (others, int4, are dequantized first).
+KERNEL_FORMATS = (Mxfp4Weight, Fp8Weight)
+
+
+def format_args(w: QuantizedWeight, block_k: int) -> dict:
+    """The weight-format constexprs of the quantized expert kernels for K steps of
+    block_k: FORMAT, SCALE_BLOCK (K values per scale), SCALE_PER_STEP (fp8_cols)."""
+    k = w.shape[-1]
+    if isinstance(w, Mxfp4Weight):
+        return dict(FORMAT="mxfp4", SCALE_BLOCK=32, SCALE_PER_STEP=False)  # (fp8 only)
+    if isinstance(w, Fp8Weight):
+        per_step = w.block_k % block_k == 0 or w.block_k >= k
+        return dict(FORMAT="fp8", SCALE_BLOCK=w.block_k, SCALE_PER_STEP=per_step)
+    raise TypeError(f"no Triton MoE kernel reads {type(w).__name__} experts")

@@ -1,0 +1,499 @@
+"""FP8 dense weights: the Triton GEMM (ops/triton/fp8_gemm.py) against the torch
+reference on awkward shapes, in both forms and every way of finding scales; compressed-
+tensors FP8 checkpoints (llm-compressor's float-quantized layout, per channel and per
+tensor) serving what transformers + PEFT give on their dequantized twin, malformed ones
+failing at load; the tuned config files and `loraplex tune`'s FP8 path."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    ADAPTERS,
+    DEVICE,
+    HFOracle,
+    build_tiny_model,
+    make_llm,
+    make_peft_adapter,
+    random_prompts,
+    tolerance,
+)
+from quantized import _rewrite
+from safetensors.torch import load_file, save_file
+
+from loraplex import LoRARequest, SamplingParams, ops
+from loraplex.errors import ModelLoadError, UnsupportedModel
+from loraplex.ops.formats import Fp8Weight
+from loraplex.ops.reference import quant as reference
+from loraplex.ops.reference.quant import dequantize, quantize_fp8
+
+pytest.importorskip("triton")
+from loraplex.ops.triton import fp8_configs, fp8_gemm  # noqa: E402
+
+SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+
+
+# -- the kernel ----------------------------------------------------------------------------
+
+def _weight(n: int, k: int, block_k: int, dtype: torch.dtype, seed: int) -> Fp8Weight:
+    """On the CPU (the reference's); _on_device gives the kernels' copy."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, k, generator=gen) * 0.05
+    values[:, : k // 3] *= 8  # scale blocks of different magnitudes
+    return quantize_fp8(values.to(dtype), block_k)
+
+
+def _on_device(w: Fp8Weight) -> Fp8Weight:
+    return copy.deepcopy(w).to(DEVICE)  # (Module.to moves in place)
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 64, 200])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["block128", "per-channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_gemm_matches_the_reference(t, per_channel, dtype):
+    """ops.linear through the Triton backend: N and K multiples of no tile, K not of
+    128; decode counts take the GEMV form, the others tensor-core tiles."""
+    n, k = 72, 200
+    w = _weight(n, k, k if per_channel else 128, dtype, seed=t)
+    gen = torch.Generator().manual_seed(100 + t)
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype).to(DEVICE) if t % 2 else None
+    with ops.using_backend("triton"):
+        y = ops.linear(x, _on_device(w), bias)
+    want = reference.linear(x.cpu(), w, None if bias is None else bias.cpu())
+    assert y.dtype == want.dtype == dtype and y.shape == (t, n)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(y.cpu().float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    assert (fp8_configs.default_config(t)["BLOCK_M"] < 16) == (t <= fp8_configs.GEMV_MAX_TOKENS)
+
+
+# Every way a K tile finds its scales: (block_k, BLOCK_K) -> mode. K = 200.
+SCALE_CASES = [(200, 64, "row"), (128, 64, "tile"), (128, 128, "tile"), (128, 256, "split"),
+               (32, 128, "split"), (48, 32, "gather")]
+
+
+@pytest.mark.parametrize("block_k,block_k_tile,mode", SCALE_CASES)
+@pytest.mark.parametrize("form", ["gemv", "tiles"])
+def test_fp8_gemm_reads_exactly_dequantize(block_k, block_k_tile, mode, form):
+    """x = I: y = dequantize(W).T, bit for bit, whatever the form, the scale lookup, and
+    the weight's and x's dtypes (the kernel rounds W as dequantize does, then to x's
+    dtype as ops.linear's reference does)."""
+    n, k = 40, 200
+    assert fp8_gemm.scale_mode(block_k, k, block_k_tile) == mode
+    bm = 8 if form == "gemv" else 32
+    cfg = dict(BLOCK_M=bm, BLOCK_N=16 if form == "gemv" else 32, BLOCK_K=block_k_tile, GROUP_M=2,
+               num_warps=4, num_stages=2)
+    for w_dtype, x_dtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                             (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                             (torch.float16, torch.float32)]:
+        w = _weight(n, k, block_k, w_dtype, seed=block_k)
+        x = torch.eye(k, dtype=x_dtype, device=DEVICE)
+        y = fp8_gemm.fp8_linear(x, _on_device(w), None, cfg)
+        want = dequantize(w).to(x_dtype).T
+        assert torch.equal(y.cpu(), want), (w_dtype, x_dtype, (y.cpu().float() - want.float()).abs().max())
+
+
+def test_fp8_gemm_leading_dims_empty_inputs_and_dispatch(monkeypatch):
+    w_cpu = _weight(24, 40, 128, torch.float32, seed=1)
+    w = _on_device(w_cpu)
+    x = torch.randn(2, 3, 40, device=DEVICE)
+    y = fp8_gemm.fp8_linear(x, w, None)
+    assert y.shape == (2, 3, 24)
+    torch.testing.assert_close(y.cpu(), reference.linear(x.cpu(), w_cpu, None), rtol=1e-5, atol=1e-5)
+    assert fp8_gemm.fp8_linear(x[:0, 0], w, None).shape == (0, 24)
+    strided = torch.randn(5, 80, device=DEVICE)[:, ::2]  # x need not be contiguous
+    torch.testing.assert_close(fp8_gemm.fp8_linear(strided, w, None).cpu(),
+                               reference.linear(strided.cpu(), w_cpu, None), rtol=1e-5, atol=1e-5)
+    import loraplex.ops.triton as triton_ops
+
+    calls = []
+    monkeypatch.setattr(triton_ops, "fp8_linear", lambda *a: calls.append(a) or fp8_gemm.fp8_linear(*a))
+    with ops.using_backend("triton"):
+        ops.linear(x[0], w)
+    assert len(calls) == 1
+
+
+def test_fp8_gemm_compiles_for_sm90():
+    """Both forms and the scale lookups compile for an H100/H200 (no GPU needed: the
+    interpreter accepts code the compiler does not), fit in shared memory, and read W
+    in 16-byte vectors (the step's bytes: 1 per weight)."""
+    script = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from sm90_codegen import compile_sm90, const, widths
+from loraplex.ops.triton import fp8_configs
+from loraplex.ops.triton.fp8_gemm import _fp8_gemm_kernel, scale_mode
+out = {}
+n, k = 6144, 4096
+for t, block in [(1, 128), (4, 4096), (16, 128), (64, 128), (2048, 128), (2048, 4096)]:
+    cfg = fp8_configs.default_config(t)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    args = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
+                T=t, N=n, K=k, stride_xt=k, stride_qn=k, stride_sn=-(-k // block), stride_yt=n,
+                HAS_BIAS=const(True), SCALE_BLOCK=const(block), SCALES=const(scale_mode(block, k, bk)),
+                W_DTYPE=const("bfloat16"), X_DTYPE=const("bfloat16"), GEMV=const(bm < 16),
+                BLOCK_M=const(bm), BLOCK_N=const(bn), BLOCK_K=const(bk), GROUP_M=const(cfg["GROUP_M"]),
+                EVEN_K=const(True), EVEN_N=const(True), DOT_PRECISION=const("tf32"), UPCAST=const(False))
+    c = compile_sm90(_fp8_gemm_kernel, args, cfg["num_warps"], cfg["num_stages"])
+    out[f"{t}-{block}"] = dict(shared=c.metadata.shared, **widths(c.asm["ptx"]))
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", script, str(tests)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, c in counts.items():
+        assert 0 < c["shared"] <= 232_448, (name, c)
+        gemv = name.split("-")[0] in ("1", "4")
+        if gemv:  # plain loads of W, 16 bytes each
+            assert c.get("ld.v4.b32", 0) >= 1, (name, c)
+        else:  # pipelined copies to shared memory, and vector stores of the tile
+            stores = c.get("st.v4.b32", 0) + c.get("st.v2.b32", 0)
+            assert c.get("cp.async.16", 0) >= 2 and stores > 0, (name, c)
+
+
+# -- compressed-tensors FP8 checkpoints ------------------------------------------------------
+
+def ct_config(strategy: str, **changes) -> dict:
+    """quantization_config as llm-compressor writes it for FP8_DYNAMIC-style schemes
+    (compressed_tensors QuantizationConfig.model_dump, ModelCompressor.update_config)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+               "strategy": strategy, "block_structure": None, "dynamic": False, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+              "strategy": "token", "block_structure": None, "dynamic": True, "actorder": None,
+              "observer": None, "observer_kwargs": {}}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+             "output_activations": None, "format": None}
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "config_groups": {"group_0": group}, "ignore": ["lm_head"], "kv_cache_scheme": None,
+              "quantization_status": "compressed", "global_compression_ratio": None,
+              "sparsity_config": {}, "transform_config": {}, "version": "0.10.2"}
+    for key, value in changes.items():
+        where, _, name = key.rpartition("__")
+        target = {"": config, "weights": weights, "inputs": inputs, "group": group}[where]
+        target[name] = value
+    return config
+
+
+def ct_quantize(w: torch.Tensor, strategy: str, scale_dtype: torch.dtype):
+    """(e4m3 weight [N, K], weight_scale) as compressed_tensors quantizes with the minmax
+    observer: scale = amax / 448 over each output row ([N, 1], strategy channel) or the
+    whole tensor ([1], tensor), held in the weight's dtype; weight = w / scale in e4m3."""
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    scale = (amax.float() / 448.0).to(scale_dtype)
+    q = (w.float() / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_ct_fp8(src: Path, out: Path, strategy: str, scale_dtype=torch.float32) -> tuple[Path, Path]:
+    """(the compressed-tensors checkpoint, its dequantized twin) of the model at src."""
+    def convert(name, t):
+        q, scale = ct_quantize(t, strategy, scale_dtype)
+        stem = name.removesuffix(".weight")
+        return {name: q, f"{stem}.weight_scale": scale}, q.float() * scale.float()
+
+    quantized_dir, oracle_dir = out / f"ct-{strategy}", out / f"ct-{strategy}-dequantized"
+    _rewrite(src, quantized_dir, oracle_dir, ct_config(strategy), convert)
+    return quantized_dir, oracle_dir
+
+
+def _prompt_lps(out, prompt) -> torch.Tensor:
+    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+
+def _check(llm, oracle_dir, prompts, adapter_dir=None):
+    """Each prompt against the oracle, base rows beside the adapter's in one batch."""
+    lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
+    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
+    outs = llm.generate(prompts, SP, loras, use_tqdm=False)
+    oracles = {None: HFOracle(oracle_dir)}
+    if lora is not None:
+        oracles[lora] = HFOracle(oracle_dir, adapter_dir)
+    for p, out, adapter in zip(prompts, outs, loras):
+        want = oracles[adapter].prompt_logprobs(p)
+        torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("dense") / "qwen3", "qwen3")
+
+
+def _assert_loaded_exactly(llm, oracle_dir):
+    """Every projection holds e4m3 data with one scale per row, and dequantizes to the
+    twin's weights exactly (per tensor: q, k and v each their own scale)."""
+    oracle = load_file(str(oracle_dir / "model.safetensors"))
+    for i, layer in enumerate(llm.engine.runner.model.model.layers):
+        for fused, parts in [(layer.self_attn.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj",
+                                                         "self_attn.v_proj")),
+                             (layer.self_attn.o_proj, ("self_attn.o_proj",)),
+                             (layer.mlp.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
+                             (layer.mlp.down_proj, ("mlp.down_proj",))]:
+            w = fused.weight
+            assert isinstance(w, Fp8Weight) and w.block_k == w.shape[1] and w.scale.shape == (w.shape[0], 1)
+            want = torch.cat([oracle[f"model.layers.{i}.{p}.weight"] for p in parts]).to(w.dtype)
+            assert torch.equal(dequantize(w).cpu(), want), (i, parts)
+
+
+@pytest.mark.parametrize("strategy,scale_dtype", [("channel", torch.bfloat16), ("tensor", torch.float32)])
+def test_compressed_tensors_fp8_serves_its_dequantized_weights(dense_dir, tmp_path, strategy, scale_dtype):
+    quantized, oracle = write_ct_fp8(dense_dir, tmp_path, strategy, scale_dtype)
+    adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=3, **ADAPTERS["all7-r8"])
+    llm = make_llm(quantized)
+    _assert_loaded_exactly(llm, oracle)
+    _check(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8_through_the_triton_kernel(dense_dir, tmp_path, strategy, monkeypatch):
+    """The same through ops_backend triton (the FP8 GEMM; interpreted on CPU)."""
+    import loraplex.ops.triton as triton_ops
+
+    forms = set()
+
+    def counted(x, w, bias):
+        forms.add(fp8_configs.default_config(x.shape[0])["BLOCK_M"] < 16)
+        return fp8_gemm.fp8_linear(x, w, bias)
+
+    monkeypatch.setattr(triton_ops, "fp8_linear", counted)
+    quantized, oracle = write_ct_fp8(dense_dir, tmp_path, strategy)
+    adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=4, **ADAPTERS["qv-r4-rslora"])
+    _check(make_llm(quantized, ops_backend="triton"), oracle, random_prompts(3, (5, 24), seed=6), adapter)
+    assert forms == {True, False}  # decode steps in the GEMV form, prefill in tiles
+
+
+def test_compressed_tensors_fp8_moe_checkpoint(tmp_path):
+    """Qwen3-MoE as llm-compressor publishes it: per-expert modules in FP8, the router
+    (ignored, re:.*mlp.gate$) in its dtype."""
+    import transformers
+
+    from loraplex.bench.synthetic import write_random_model
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
+    src = write_random_model(tmp_path / "moe", cfg, 0, None)
+    quantized, oracle = write_ct_fp8(src, tmp_path, "channel")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    (quantized / "config.json").write_text(json.dumps(config))
+    llm = make_llm(quantized)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
+    _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
+
+
+@pytest.mark.parametrize("strategy,damage", [
+    ("channel", "missing scale"), ("channel", "nan scale"), ("channel", "zero scale"),
+    ("channel", "negative scale"), ("channel", "scale [N]"), ("channel", "scale [1, N]"),
+    ("channel", "scale rows"), ("channel", "scale per tensor"), ("channel", "int scale"),
+    ("tensor", "scale [1, 1]"), ("tensor", "scale [N, 1]"), ("tensor", "scale []"),
+    ("channel", "weight not fp8"), ("channel", "weight e5m2"), ("channel", "nonzero zero point"),
+    ("channel", "input_scale"),
+])
+def test_malformed_compressed_tensors_checkpoints_fail_at_load(dense_dir, tmp_path, strategy, damage):
+    quantized, _ = write_ct_fp8(dense_dir, tmp_path, strategy)
+    path = quantized / "model.safetensors"
+    tensors = load_file(str(path))
+    stem = "model.layers.0.self_attn.k_proj"
+    scale = tensors[f"{stem}.weight_scale"]
+    n = tensors[f"{stem}.weight"].shape[0]
+    if damage == "missing scale":
+        del tensors[f"{stem}.weight_scale"]
+    elif damage == "nan scale":
+        scale.view(-1)[0] = float("nan")
+    elif damage == "zero scale":
+        scale.view(-1)[0] = 0.0
+    elif damage == "negative scale":
+        scale.view(-1)[-1] = -scale.view(-1)[-1]
+    elif damage == "scale [N]":
+        tensors[f"{stem}.weight_scale"] = scale.reshape(n).contiguous()
+    elif damage == "scale [1, N]":
+        tensors[f"{stem}.weight_scale"] = scale.reshape(1, n).contiguous()
+    elif damage == "scale rows":
+        tensors[f"{stem}.weight_scale"] = torch.cat([scale, scale[:1]])
+    elif damage in ("scale per tensor", "scale [1, 1]", "scale []"):
+        shape = {"scale per tensor": (1,), "scale [1, 1]": (1, 1), "scale []": ()}[damage]
+        tensors[f"{stem}.weight_scale"] = scale.view(-1)[:1].reshape(shape).contiguous()
+    elif damage == "scale [N, 1]":
+        tensors[f"{stem}.weight_scale"] = scale.expand(n).reshape(n, 1).contiguous()
+    elif damage == "int scale":
+        tensors[f"{stem}.weight_scale"] = torch.ones_like(scale, dtype=torch.int32)
+    elif damage == "weight not fp8":
+        tensors[f"{stem}.weight"] = tensors[f"{stem}.weight"].float()
+    elif damage == "weight e5m2":
+        tensors[f"{stem}.weight"] = tensors[f"{stem}.weight"].float().to(torch.float8_e5m2)
+    elif damage == "nonzero zero point":
+        tensors[f"{stem}.weight_zero_point"] = torch.ones(n, 1, dtype=torch.int8)
+    else:  # a static activation scale the config does not declare
+        tensors[f"{stem}.input_scale"] = torch.ones(1)
+    save_file(tensors, str(path))
+    with pytest.raises(ModelLoadError, match="k_proj"):
+        make_llm(quantized)
+
+
+def test_compressed_tensors_zero_points_of_zero_load(dense_dir, tmp_path):
+    """Symmetric checkpoints of older compressed-tensors versions kept zero points of 0."""
+    quantized, oracle = write_ct_fp8(dense_dir, tmp_path, "channel")
+    path = quantized / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name.replace("weight_scale", "weight_zero_point")] = torch.zeros(
+            tensors[name].shape, dtype=torch.int8)
+    save_file(tensors, str(path))
+    _assert_loaded_exactly(make_llm(quantized), oracle)
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(inputs__dynamic=False), "static activation scales"),
+    (dict(weights__symmetric=False), "asymmetric"),
+    (dict(weights__strategy="group", weights__group_size=128), "weight strategy 'group'"),
+    (dict(weights__strategy="block", weights__block_structure=[128, 128]), "weight strategy 'block'"),
+    (dict(weights__dynamic=True), "dynamic"),
+    (dict(weights__type="int"), "weights int of 8 bits"),
+    (dict(weights__num_bits=4), "weights float of 4 bits"),
+    (dict(weights__actorder="group"), "actorder"),
+    (dict(format="pack-quantized"), "format 'pack-quantized'"),
+    (dict(format="dense"), "format 'dense'"),
+    (dict(group__format="nvfp4-pack-quantized", format="mixed-precision"), "nvfp4"),
+    (dict(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     "kv_cache_scheme"),
+    (dict(group__output_activations={"num_bits": 8, "type": "float"}), "output activation"),
+    (dict(transform_config={"config_groups": {"u": {"type": "hadamard"}}}), "transform_config"),
+    (dict(sparsity_config={"format": "sparse-24-bitmask"}), "sparsity format"),
+    (dict(config_groups={"FP8_DYNAMIC": ["Linear"]}), "preset scheme 'FP8_DYNAMIC'"),
+    (dict(config_groups={}), "0 config groups"),
+])
+def test_unsupported_compressed_tensors_variants_fail_at_startup(dense_dir, tmp_path, changes, words):
+    import shutil
+
+    d = tmp_path / "variant"
+    shutil.copytree(dense_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = ct_config("channel", **changes)
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=words):
+        make_llm(d)
+
+
+def test_compressed_tensors_configs_read():
+    from loraplex.config import QuantConfig
+
+    for strategy, block in [("channel", (1, 0)), ("tensor", (0, 0))]:
+        q = QuantConfig.from_hf("Qwen3ForCausalLM", ct_config(strategy))
+        assert (q.method, q.format, q.weight_block) == ("compressed-tensors", "fp8", block)
+        assert q.skip == ("lm_head",)
+    # weight-only FP8 (no input_activations), and the format given per group
+    q = QuantConfig.from_hf("Qwen3ForCausalLM", ct_config("channel", group__input_activations=None,
+                                                          group__format="float-quantized",
+                                                          format="mixed-precision"))
+    assert q.weight_block == (1, 0)
+
+
+# -- tuned configs and the tuner ----------------------------------------------------------
+
+def test_tuned_fp8_config_files_are_read_for_their_shape(tmp_path, monkeypatch):
+    from loraplex.ops.triton import moe_configs
+
+    name = fp8_configs.config_file_name("NVIDIA_H100_80GB_HBM3", 6144, 4096, torch.bfloat16)
+    assert name == "fp8_gemm_NVIDIA_H100_80GB_HBM3_N6144_K4096_bfloat16.json"
+    gemv = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=3)
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    moe_configs.save_configs(tmp_path / name, {1: gemv, 2048: tiles})
+    monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(fp8_configs, "device_name", lambda device: "NVIDIA_H100_80GB_HBM3")
+    fp8_configs.clear_cache()
+    try:
+        cuda = torch.device("cuda")
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 1, cuda) == gemv
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 4000, cuda) == tiles
+        # far from any tuned count, another shape or dtype, or on CPU: the defaults
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 64, cuda) == fp8_configs.default_config(64)
+        assert fp8_configs.gemm_config(4096, 4096, torch.bfloat16, 1, cuda) == fp8_configs.default_config(1)
+        assert fp8_configs.gemm_config(6144, 4096, torch.float16, 1, cuda) == fp8_configs.default_config(1)
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 1, torch.device("cpu")) \
+            == fp8_configs.default_config(1)
+    finally:
+        fp8_configs.clear_cache()
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_fp8_tuner_candidates_run_and_fit():
+    """Every candidate is a config the kernel computes correctly with (a sample, run
+    under the interpreter on a small W), fits an H100's shared memory, and keeps K
+    steps within scale blocks or whole ones."""
+    from loraplex.bench import tune_fp8
+    from loraplex.bench.tune_moe import SMEM_BYTES
+
+    for t in (1, 3, 8, 16, 64, 200, 4096):
+        for block_k in (128, 4096):
+            cands = tune_fp8.candidates(t, 4096, block_k)
+            assert cands and all(set(c) == set(fp8_configs.CONFIG_KEYS) for c in cands)
+            gemv = [c for c in cands if c["BLOCK_M"] < fp8_configs.MIN_DOT_M]
+            assert bool(gemv) == (t <= fp8_configs.GEMV_MAX_TOKENS)
+            assert all(c["BLOCK_M"] == triton_next_pow2(t) for c in gemv)
+            for c in cands:
+                assert fp8_gemm.scale_mode(block_k, 4096, c["BLOCK_K"]) != "gather"
+                if c["BLOCK_M"] >= 16:
+                    assert c["BLOCK_M"] <= max(16, 2 * triton_next_pow2(t))
+                    tiles = c["BLOCK_M"] * c["BLOCK_K"] * 2 + c["BLOCK_K"] * c["BLOCK_N"]
+                    assert c["num_stages"] * tiles + c["BLOCK_K"] * c["BLOCK_N"] * 2 <= SMEM_BYTES
+    w_cpu = _weight(40, 200, 128, torch.bfloat16, seed=7)
+    w = _on_device(w_cpu)
+    x = torch.randn(9, 200).to(torch.bfloat16).to(DEVICE)
+    want = reference.linear(x.cpu(), w_cpu, None).float()
+    sample = tune_fp8.candidates(3, 200, 128)[::5] + tune_fp8.candidates(64, 200, 128)[::17]
+    for cfg in sample:
+        y = fp8_gemm.fp8_linear(x, w, None, cfg).cpu().float()
+        torch.testing.assert_close(y, want, rtol=2**-8, atol=2**-8 * want.abs().max().item(), msg=str(cfg))
+
+
+def test_fp8_tuner_cli_path(tmp_path, monkeypatch, capsys):
+    """`loraplex tune --quantization fp8` takes a dense model and tunes its projection
+    shapes (no GPU here: the timing loop is replaced); without it a dense model is still
+    refused; an FP8 checkpoint needs no flag; a MoE model gets both tuners."""
+    from loraplex.bench import tune_fp8, tune_moe
+    from loraplex.entrypoints.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_fp8, "tune", lambda *a: calls.append(("fp8", *a)) or [])
+    monkeypatch.setattr(tune_moe, "tune", lambda *a: calls.append(("moe", *a)) or [])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli(["tune", "--model", "llama-3.1-8b", "--quantization", "fp8", "--batch-sizes", "1", "64",
+                "--out", str(tmp_path / "out"), *cache]) == 0
+    assert calls == [("fp8", [(4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)], 128,
+                      torch.bfloat16, [1, 64], str(tmp_path / "out"))]
+    calls.clear()
+    assert cli(["tune", "--model", "llama-3.1-8b", *cache]) == 2
+    assert "not a mixture-of-experts model" in capsys.readouterr().err and not calls
+    assert cli(["tune", "--model", "qwen3-30b-a3b", "--quantization", "fp8", *cache]) == 0
+    assert [c[0] for c in calls] == ["moe", "fp8"]
+    assert calls[1][1] == [(128, 2048), (2048, 4096), (5120, 2048)]  # router, o, qkv (experts: MoE)
+    calls.clear()
+    # an FP8 checkpoint: its own scale blocks (per channel: None), no flag needed
+    from loraplex.bench.workload import prepare_model_dir
+
+    src, _ = prepare_model_dir("qwen3-0.6b", tmp_path / "cache")
+    fp8_dir = tmp_path / "qwen3-0.6b-fp8"
+    fp8_dir.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (fp8_dir / "config.json").write_text(json.dumps({**config, "quantization_config": ct_config("channel")}))
+    assert cli(["tune", "--model", str(fp8_dir), "--dtype", "float16", *cache]) == 0
+    assert calls[0][0] == "fp8" and calls[0][2] is None and calls[0][3] == torch.float16

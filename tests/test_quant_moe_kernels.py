@@ -1,0 +1,341 @@
+"""The Triton MoE kernels on quantized experts (ops/formats.py) against the plain-torch
+oracle (ops.reference.moe.fused_experts, which dequantizes the same weights first):
+FP8 block-scaled experts here (scale blocks of 128, of 32 across a K step, per channel),
+MXFP4 in test_quant_mxfp4.py through `check_quantized_experts`; both forms (the grouped
+GEMM over aligned pair blocks, the per-pair GEMV of decode steps), with and without
+expert adapters, biases, swiglu_oai; warm-up and tuner over quantized experts. Also
+Qwen3-MoE's per-expert FP8 checkpoint on the Triton backend."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE, make_llm, random_prompts
+from quantized import write_fp8_block
+
+from loraplex import ops
+from loraplex.ops.formats import Fp8Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.metadata import MoELoRA
+from loraplex.ops.reference import moe as reference
+from loraplex.ops.reference.quant import dequantize, quantize_fp8, quantize_mxfp4
+
+pytest.importorskip("triton")
+from test_moe_ops import REL_TOL, SMALL_BLOCKS, make_lora  # noqa: E402
+
+from loraplex.bench import tune_moe  # noqa: E402
+from loraplex.ops.triton import fused_moe, moe_configs  # noqa: E402
+
+
+def quantized_experts(fmt: str, values: torch.Tensor, dtype: torch.dtype, gen: torch.Generator,
+                      block_k: int = 128) -> QuantizedWeight:
+    """values [E, N, K] in format fmt, computing in dtype. MXFP4: random bytes (every e2m1
+    code, -0 included) under scales 2^-10..2^-3, and one zero scale (2^-127) per expert;
+    FP8: values quantized per row and block_k columns."""
+    if fmt == "fp8":
+        return quantize_fp8(values, block_k, out=Fp8Weight(tuple(values.shape), block_k, dtype))
+    w = quantize_mxfp4(values, out=Mxfp4Weight(tuple(values.shape), dtype))
+    w.data.copy_(torch.randint(0, 256, w.data.shape, generator=gen, dtype=torch.uint8))
+    w.scale.copy_(torch.randint(117, 125, w.scale.shape, generator=gen, dtype=torch.uint8))
+    w.scale[:, 1, 0] = 0
+    return w
+
+
+def _to(v, dtype, dev):
+    """A copy on dev in dtype (adapters' floats; weights move with their format)."""
+    if v is None:
+        return None
+    if isinstance(v, MoELoRA):
+        return MoELoRA(*(f.to(dtype).to(dev) for f in (v.a_gate_up, v.b_gate_up, v.a_down, v.b_down)),
+                       v.token_slot.to(dev), None if v.slot_mask is None else v.slot_mask.to(dev),
+                       None if v.ranks is None else v.ranks.to(dev))
+    if isinstance(v, QuantizedWeight):
+        return copy.deepcopy(v).to(dev)
+    return v.to(dtype).to(dev)
+
+
+def count_quantized_kernels(monkeypatch) -> dict[str, int]:
+    """Calls of the quantized experts' kernels by form (from now on, in this test)."""
+    calls = {"gemm": 0, "gemv": 0}
+
+    def counting(form, kernel):
+        def counted(*args, **kwargs):
+            calls[form] += 1
+            return kernel(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(fused_moe, "moe_gemm_quant", counting("gemm", fused_moe.moe_gemm_quant))
+    monkeypatch.setattr(fused_moe, "moe_gemv_quant", counting("gemv", fused_moe.moe_gemv_quant))
+    return calls
+
+
+def check_quantized_experts(monkeypatch, fmt, t, e, k, h, i, act, bias, form, blocks, with_lora, dtype,
+                            block_k=128):
+    """ops.fused_experts on the Triton backend with quantized experts against the
+    reference in float32 on the same (dequantized, rounded to dtype) weights. form:
+    "gemv" or "gemm", forced (fused_moe picks by the pair count); blocks: the grouped
+    GEMM's configs ("default" or SMALL_BLOCKS); with_lora: None, "gemv", "aligned"."""
+    monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64 if with_lora == "gemv" else 0)
+    monkeypatch.setattr(fused_moe, "base_form", lambda *_: form)
+    if blocks == "small":  # w_gate_up is [E, 2I, H], w_down [E, H, I]
+        monkeypatch.setattr(fused_moe, "gemm_config", lambda w, *_: dict(SMALL_BLOCKS[w.shape[1] != 2 * i]))
+    gen = torch.Generator().manual_seed(t * 100 + e * 10 + k + h)
+    x = torch.randn(t, h, generator=gen)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, e - 1] = -torch.inf  # an expert no token hits
+    weights, ids = reference.route_experts(logits, k, renormalize=bool(bias))
+    w_gu = quantized_experts(fmt, torch.randn(e, 2 * i, h, generator=gen) / h**0.5, dtype, gen, block_k)
+    w_d = quantized_experts(fmt, torch.randn(e, h, i, generator=gen) / i**0.5, dtype, gen, block_k)
+    b_gu = torch.randn(e, 2 * i, generator=gen) if bias else None
+    b_d = torch.randn(e, h, generator=gen) if bias else None
+    lora = make_lora(e, h, i, t, gen, with_ranks=t % 2 == 1) if with_lora else None
+    if lora is not None and t == 3:  # no slot mask: empty slots' (zero) weights are read
+        lora = dataclasses.replace(lora, slot_mask=None)
+    limit = 3.0 if act == "swiglu_oai" else None
+
+    # The oracle: float32 throughout, on the values the kernels see (the activations and
+    # adapters rounded to dtype; the weights as dequantize gives them in dtype). In
+    # float32 it reads the quantized weights themselves.
+    def oracle(v):
+        if isinstance(v, QuantizedWeight):
+            return v if dtype == torch.float32 else dequantize(v).float()
+        return _to(_to(v, dtype, "cpu"), torch.float32, "cpu")
+
+    xr, wgu, wd, bgu, bd, lo = (oracle(v) for v in (x, w_gu, w_d, b_gu, b_d, lora))
+    stats_ref = torch.tensor([1.0, 2.0])
+    expected = reference.fused_experts(xr, weights, ids, wgu, wd, act, bgu, bd, lo, limit, stats_ref)
+    expected_terms = reference.fused_experts(xr, weights, ids, wgu, wd, act, bgu, bd, lo, limit,
+                                             sum_topk=False)
+    xg, wgu, wd, bgu, bd, lo = (_to(v, dtype, DEVICE) for v in (x, w_gu, w_d, b_gu, b_d, lora))
+    stats = torch.tensor([1.0, 2.0], device=DEVICE)
+    side = torch.cuda.Stream() if str(DEVICE).startswith("cuda") and t % 2 else None
+    routing = weights.to(DEVICE), ids.to(DEVICE)
+    with ops.using_backend("triton"):
+        out = ops.fused_experts(xg, *routing, wgu, wd, act, bgu, bd, lo, limit, stats, side)
+        terms = ops.fused_experts(xg, *routing, wgu, wd, act, bgu, bd, lo, limit, sum_topk=False)
+    assert stats.cpu().tolist() == stats_ref.tolist() == [1 + len(ids.unique()), 3]
+    assert out.dtype == dtype and out.shape == (t, h) and terms.shape == (t, k, h)
+    assert torch.isfinite(expected).all()
+    for got, want in ((out, expected), (terms, expected_terms)):
+        err = (got.cpu().float() - want).norm() / want.norm()
+        assert err <= REL_TOL[dtype], err
+
+
+@pytest.mark.parametrize("form", ["gemv", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form):
+    """One-hot activations read each expert's weight back through either kernel: equal,
+    bit for bit, to dequantize's (every e2m1 code and a 2^-127 scale; fp8 scale blocks
+    across K steps), rounded to nearest even in bf16 as dequantize rounds."""
+    from loraplex.ops.triton.moe_align import align_experts
+    from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant
+    from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
+
+    gen = torch.Generator().manual_seed(1)
+    e, n, k = 2, 40, 96
+    w = quantized_experts(fmt, torch.randn(e, n, k, generator=gen), dtype, gen, block_k=32)
+    if fmt == "mxfp4" and dtype == torch.bfloat16 and DEVICE == "cpu":
+        w.scale[w.scale == 0] = 117  # the interpreter's float32 -> bf16 stores flush subnormals
+    w = w.to(DEVICE)
+    eye = torch.eye(k, dtype=dtype, device=DEVICE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    for expert in range(e):
+        ids = torch.full((k, 1), expert, dtype=torch.int32, device=DEVICE)
+        out = torch.empty(k, n, dtype=dtype, device=DEVICE)
+        if form == "gemv":
+            moe_gemv_quant(eye, w, None, out, ids, 1)
+        else:
+            moe_gemm_quant(eye, w, None, out, align_experts(ids, e, cfg["BLOCK_M"]), cfg, 1)
+        assert torch.equal(out.T.cpu(), dequantize(w)[expert].cpu()), expert
+
+
+# (tokens, experts, top_k, hidden, intermediate, activation, biases, form, block configs,
+# fp8 scale block): K and N off every block size; several blocks per expert; one scale
+# per K step (block 128), a step across scale blocks (32), per channel (K).
+FP8_CASES = [
+    (1, 8, 2, 40, 24, "swiglu_oai", True, "gemv", "default", 128),
+    (3, 4, 3, 160, 24, "silu", False, "gemv", "small", 32),
+    (17, 8, 2, 40, 36, "swiglu_oai", True, "gemm", "small", 32),
+    (40, 4, 3, 144, 24, "gelu_tanh", True, "gemm", "default", 128),
+    (3, 8, 1, 48, 20, "silu", True, "gemm", "default", 0),
+    (17, 4, 2, 40, 24, "silu", False, "gemv", "default", 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned"], ids=["base", "lora_gemv", "lora_aligned"])
+@pytest.mark.parametrize("t,e,k,h,i,act,bias,form,blocks,block_k", FP8_CASES)
+def test_fp8_experts(monkeypatch, t, e, k, h, i, act, bias, form, blocks, block_k, with_lora, dtype):
+    check_quantized_experts(monkeypatch, "fp8", t, e, k, h, i, act, bias, form, blocks, with_lora, dtype,
+                            block_k or h)
+
+
+def test_int4_experts_are_dequantized_first():
+    """Int4 experts (AWQ / GPTQ MoE checkpoints), which no expert kernel reads, still
+    serve: dequantized on entry, as the reference does."""
+    from loraplex.ops.reference.quant import quantize_int4
+
+    gen = torch.Generator().manual_seed(3)
+    e, h, i, t = 4, 64, 32, 5
+    w_gu = quantize_int4(torch.randn(e, 2 * i, h, generator=gen) / 8, 32, symmetric=False)
+    w_d = quantize_int4(torch.randn(e, h, i, generator=gen) / 6, 32, symmetric=False)
+    x = torch.randn(t, h, generator=gen)
+    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), 2, True)
+    expected = reference.fused_experts(x, weights, ids, w_gu, w_d, "silu")
+    assert fused_moe.base_form(1, 2, w_gu, w_d) == "gemm"
+    with ops.using_backend("triton"):
+        out = ops.fused_experts(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), w_gu.to(DEVICE),
+                                w_d.to(DEVICE), "silu")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_base_form_follows_the_pair_count():
+    """Quantized experts take the GEMV form while a step has no more pairs than experts
+    (decode), the grouped GEMM past that; plain weights always the GEMM."""
+    def mx(*shape):
+        return Mxfp4Weight(shape, torch.bfloat16, device="meta")
+
+    gu, d = mx(32, 5760, 2880), mx(32, 2880, 2880)  # gpt-oss-20b: 32 experts, top-4
+    assert [fused_moe.base_form(t, 4, gu, d) for t in (1, 8, 9, 512)] == ["gemv", "gemv", "gemm", "gemm"]
+    plain = torch.empty(32, 5760, 2880, device="meta")
+    assert fused_moe.base_form(1, 4, plain, torch.empty(32, 2880, 2880, device="meta")) == "gemm"
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_moe_warm_up_with_quantized_experts(monkeypatch, fmt):
+    """warm_up_moe runs both forms on quantized experts and changes nothing; the token
+    counts it warms cover every (form, configs, expert-LoRA) choice a step can make."""
+    gen = torch.Generator().manual_seed(4)
+    e, h, i = 4, 64, 32
+    w_gu = quantized_experts(fmt, torch.randn(e, 2 * i, h, generator=gen) / 8, torch.float32, gen).to(DEVICE)
+    w_d = quantized_experts(fmt, torch.randn(e, h, i, generator=gen) / 8, torch.float32, gen).to(DEVICE)
+    lora = _to(make_lora(e, h, i, 3, gen), torch.float32, DEVICE)
+    before = [b.clone() for w in (w_gu, w_d) for b in w.buffers()]
+    counts = fused_moe.warm_up_token_counts(w_gu, w_d, 2, 24)
+    forms = {fused_moe.base_form(t, 2, w_gu, w_d) for t in counts}
+    assert forms == {"gemv", "gemm"}, counts
+    ran = []
+    real = fused_moe.fused_experts
+    monkeypatch.setattr(fused_moe, "fused_experts", lambda x, *a: ran.append(x.shape[0]) or real(x, *a))
+    with ops.using_backend("triton"):
+        ops.warm_up_moe(w_gu, w_d, 2, True, "swiglu_oai", None, None, lora, 7.0, max_tokens=24)
+    assert sorted(set(ran)) == counts
+    assert all(torch.equal(a, b) for a, b in zip(before, (b for w in (w_gu, w_d) for b in w.buffers())))
+
+
+def test_quantized_tuned_config_files(tmp_path, monkeypatch):
+    """Quantized experts' GEMM configs have files of their own (the format in the name),
+    and the tuner searches only what their kernel can run."""
+    assert (moe_configs.config_file_name("NVIDIA_H100_80GB_HBM3", 32, 5760, 2880, torch.bfloat16, "mxfp4")
+            == "moe_gemm_mxfp4_NVIDIA_H100_80GB_HBM3_E32_N5760_K2880_bfloat16.json")
+    w = Mxfp4Weight((32, 5760, 2880), torch.bfloat16, device="meta")
+    assert moe_configs.weight_format(w) == "mxfp4" and moe_configs.tuned_config(w, 4) is None
+    assert moe_configs.weight_format(torch.empty(1)) is None
+    for fused in (True, False):
+        for t in (1, 64, 4096):
+            cands = tune_moe.candidates(t, 4, 32, fused=fused, fmt="mxfp4")
+            assert cands and all(c["BLOCK_K"] >= 32 for c in cands)
+            for c in cands:  # bf16 activations, half a byte per weight value
+                tiles = 2 * c["BLOCK_M"] * c["BLOCK_K"] + c["BLOCK_K"] * c["BLOCK_N"] * (1 + fused) // 2
+                assert c["num_stages"] * tiles <= tune_moe.SMEM_BYTES
+    # Which experts `loraplex tune` tunes: a quantized checkpoint's own format (FP8 with
+    # its scale block), else --quantization's, else plain tensors.
+    from loraplex.config import QuantConfig
+
+    mxfp4, fp8 = QuantConfig("mxfp4", "mxfp4"), QuantConfig("fp8", "fp8", weight_block=(128, 64))
+    assert tune_moe.experts_format(mxfp4, None) == ("mxfp4", 128)
+    assert tune_moe.experts_format(fp8, "fp8") == ("fp8", 64)
+    assert tune_moe.experts_format(None, "mxfp4") == ("mxfp4", 128)
+    assert tune_moe.experts_format(None, None) == (None, 128)
+    assert tune_moe.experts_format(QuantConfig("awq", "int4", group_size=128), None) == (None, 128)
+    # The tuner's weights: random experts in the format, at a trained scale.
+    gen = torch.Generator().manual_seed(0)
+    for fmt, cls in (("mxfp4", Mxfp4Weight), ("fp8", Fp8Weight), (None, torch.Tensor)):
+        w_gu, w_d = tune_moe.expert_weights(4, 64, 32, torch.bfloat16, fmt, "cpu", gen)
+        assert isinstance(w_gu, cls) and tuple(w_gu.shape) == (4, 64, 64) and tuple(w_d.shape) == (4, 64, 32)
+        values = w_gu if fmt is None else dequantize(w_gu)
+        assert 0.01 < values.float().std() < 0.04
+
+
+def test_tuner_cli_tunes_experts_in_their_format(tmp_path, monkeypatch):
+    """`loraplex tune` tunes gpt-oss's experts as MXFP4 with --quantization mxfp4, or on
+    its own for the published (MXFP4) checkpoint, and as plain tensors otherwise."""
+    from loraplex.bench.workload import prepare_model_dir
+    from loraplex.entrypoints.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_moe, "tune", lambda *a: calls.append(a) or [])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli(["tune", "--model", "gpt-oss-20b", "--quantization", "mxfp4", *cache]) == 0
+    assert calls[-1][:4] == (32, 2880, 2880, 4) and calls[-1][-2:] == ("mxfp4", 128)
+    assert cli(["tune", "--model", "gpt-oss-20b", *cache]) == 0
+    assert calls[-1][-2:] == (None, 128)
+    src, _ = prepare_model_dir("gpt-oss-20b", tmp_path / "cache")
+    published = tmp_path / "gpt-oss-20b-mxfp4"
+    published.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    (published / "config.json").write_text(json.dumps(config))
+    assert cli(["tune", "--model", str(published), *cache]) == 0
+    assert calls[-1][-2:] == ("mxfp4", 128)
+
+
+@pytest.fixture(scope="module")
+def sm90_counts() -> dict:
+    """Global memory instructions by width of the kernels compiled for sm_90 (no GPU
+    needed; sm90_codegen_moe_quant.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = Path(__file__).with_name("sm90_codegen_moe_quant.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=script.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("gemm", ["gate_up", "down"])
+def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
+    """On an H100: the grouped GEMM copies weight bytes and activation tiles to shared
+    memory 16 bytes at a time (MXFP4: the activations whole, split in registers; a K step
+    masked at gpt-oss's 2880 too), reads scales once per group and stores 16-byte
+    vectors; the GEMV reads weight rows in 16-byte vectors."""
+    for rows in ("decode", "prefill"):
+        c = sm90_counts[f"gemm {fmt} {gemm} {rows}"]
+        assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
+        assert c.get("ld.b16", 0) == 0 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c
+        assert c.get("ld.b8", 0) <= 4, c  # MXFP4: the step's BLOCK_K / 32 scales (gate and up)
+    c = sm90_counts[f"gemv {fmt} {gemm}"]
+    assert c.get("ld.v4.b32", 0) >= 2 and c.get("ld.b8", 0) <= 2, c
+
+
+def test_fp8_block_moe_checkpoint_on_triton(tmp_path, monkeypatch):
+    """Qwen3-MoE in Qwen3-30B-A3B-FP8's per-expert layout (`mlp.experts.E.gate_proj.weight`
+    + `.weight_scale_inv`), served by the FP8 expert kernels (interpreted on CPU)."""
+    import transformers
+    from test_quantized import _check
+
+    from loraplex.bench.synthetic import write_random_model
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
+    src = write_random_model(tmp_path / "moe", cfg, 0, None)
+    quantized, oracle = write_fp8_block(src, tmp_path, (16, 32))
+    llm = make_llm(quantized, ops_backend="triton")
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, Fp8Weight) and experts.gate_up_proj.block_k == 32
+    calls = count_quantized_kernels(monkeypatch)
+    _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
+    assert calls["gemm"] > 0 and calls["gemv"] > 0, calls  # prefill; decode (3 tokens x 2 <= 8 experts)
