@@ -9,7 +9,7 @@ from conftest import ADAPTERS, DTYPE, assert_same_greedy_tokens, batch_tolerance
 
 from loraplex import LoRARequest, SamplingParams
 
-SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
 PREFIX = [5 + (i * 7) % 300 for i in range(40)]  # 2.5 pages of 16: two full pages to share
 
 
@@ -77,7 +77,7 @@ def test_eviction_and_preemption_under_page_pressure_keep_every_answer(model_dir
     prefixes = [[7 + (i * j) % 250 for i in range(33)] for j in (3, 5, 11)]
     prompts = [prefixes[i % 3] + [340 + i] for i in range(24)]
     per_prompt = [loras[(i // 3) % 3] for i in range(24)]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=5)
     want = make_llm(model_dirs["qwen3"], enable_prefix_caching=False).generate(prompts, sp, per_prompt,
                                                                                 use_tqdm=False)
     llm = make_llm(model_dirs["qwen3"], num_gpu_blocks_override=24, max_model_len=64, max_num_seqs=8)

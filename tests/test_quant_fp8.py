@@ -212,8 +212,11 @@ def _prompt_lps(out, prompt) -> torch.Tensor:
     return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
 
 
-def _check(llm, oracle_dir, prompts, adapter_dir=None):
-    """Each prompt against the oracle, base rows beside the adapter's in one batch."""
+def _check(llm, oracle_dir, prompts, adapter_dir=None, moe=False):
+    """Each prompt against the oracle, base rows beside the adapter's in one batch (MoE:
+    test_moe's criterion, as a bf16 router near a tie may pick another expert)."""
+    from test_moe import _assert_close
+
     lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
     loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
     outs = llm.generate(prompts, SP, loras, use_tqdm=False)
@@ -222,7 +225,10 @@ def _check(llm, oracle_dir, prompts, adapter_dir=None):
         oracles[lora] = HFOracle(oracle_dir, adapter_dir)
     for p, out, adapter in zip(prompts, outs, loras):
         want = oracles[adapter].prompt_logprobs(p)
-        torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
+        if moe:
+            _assert_close(_prompt_lps(out, p), want)
+        else:
+            torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +299,7 @@ def test_compressed_tensors_fp8_moe_checkpoint(tmp_path):
     llm = make_llm(quantized)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
-    _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
+    _check(llm, oracle, random_prompts(3, (5, 30), seed=4), moe=True)
 
 
 @pytest.mark.parametrize("strategy,damage", [

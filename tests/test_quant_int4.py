@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import (
     ADAPTERS,
+    DEVICE,
     DTYPE,
     HFOracle,
     build_tiny_model,
@@ -317,7 +318,7 @@ def _random_int4(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> I
     w.data.copy_(pack_nibbles(torch.randint(0, 16, (n, k), generator=gen)))
     w.zero.copy_(torch.randint(0, 17, (n, k // group), generator=gen))
     w.scale.copy_(torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3)
-    return w
+    return w.to(DEVICE)
 
 
 def _kernel_check(t: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, config=None, seed=0):
@@ -326,8 +327,8 @@ def _kernel_check(t: int, n: int, k: int, group: int, dtype: torch.dtype, bias: 
 
     w = _random_int4(n, k, group, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(t, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
     got = int4_linear(x, w, b, config)
     want = linear(x, w, b)
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -364,10 +365,10 @@ def test_int4_kernel_at_llama_group_size_and_through_ops():
     from loraplex.ops.reference.quant import linear
 
     w = _random_int4(64, 4096, 128, torch.float32, seed=7)
-    x = torch.randn(1, 4096)
+    x = torch.randn(1, 4096, device=DEVICE)
     with ops.using_backend("triton"):
         got = ops.linear(x, w)
-        got3 = ops.linear(torch.randn(2, 3, 4096), w)
+        got3 = ops.linear(torch.randn(2, 3, 4096, device=DEVICE), w)
     torch.testing.assert_close(got, linear(x, w, None), atol=1e-4, rtol=1e-4)
     assert got3.shape == (2, 3, 64)
     w16 = _random_int4(48, 256, 128, torch.bfloat16, seed=8)  # float32 activations, bf16 W

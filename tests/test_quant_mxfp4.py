@@ -102,6 +102,8 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_twin(mxfp4_dirs, expert_ad
     PEFT) on the dequantized twin, adapter rows beside base rows in one batch; on CPU
     "triton" runs the MXFP4 expert kernels in the interpreter."""
     quantized, twin = mxfp4_dirs
+    # Counted from before the engine starts: on a GPU, steps replay CUDA graphs captured then.
+    calls = count_quantized_kernels(monkeypatch)
     llm = make_llm(quantized, ops_backend=backend)
     model = llm.engine.runner.model.model
     for layer in model.layers:
@@ -112,7 +114,6 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_twin(mxfp4_dirs, expert_ad
     lora = LoRARequest("a", 1, str(expert_adapter))
     prompts = random_prompts(4, (12, 30), seed=3)
     loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
-    calls = count_quantized_kernels(monkeypatch)
     outs = llm.generate(prompts, SP, loras, use_tqdm=False)
     if backend == "triton":  # prefill steps: the grouped GEMM; decode (4 tokens x 2 <= 8 experts): GEMV
         assert calls["gemm"] > 0 and calls["gemv"] > 0, calls

@@ -52,6 +52,9 @@ DEFAULT_CONFIGS = (
 PROGRAMS_PER_SM = 4
 MAX_SPLIT_K = 16
 SUM_BLOCK_N = 1024  # columns per program of the split-K sum
+# Pipelined tiles must fit an H100's 227 KiB of shared memory per block, with room left
+# for the epilogue's layout conversions.
+SHARED_MEMORY_BUDGET = 192 * 1024
 
 
 @triton.jit
@@ -186,6 +189,25 @@ def int4_config(num_tokens: int, n: int, k: int, group: int, device: torch.devic
     return cfg
 
 
+def fit_stages(cfg: dict, group: int, x_bytes: int, w_bytes: int) -> dict:
+    """cfg with num_stages lowered until its pipelined tiles fit SHARED_MEMORY_BUDGET.
+    The defaults are sized for bf16 activations and whole groups per step: float32
+    activations, or scales and zeros gathered per k (a group size that is not a multiple
+    of 16), take 2-4x the bytes per stage."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if group % bk == 0:
+        groups_per_step = 1
+    elif bk % group == 0:
+        groups_per_step = bk // group
+    else:
+        groups_per_step = bk  # one scale and zero per k
+    per_stage = bm * bk * x_bytes + bn * bk // 2 + 2 * bn * groups_per_step * w_bytes
+    stages = cfg.get("num_stages", 3)
+    while stages > 1 and stages * per_stage > SHARED_MEMORY_BUDGET:
+        stages -= 1
+    return {**cfg, "num_stages": stages}
+
+
 def _split_k(m: int, n: int, k: int, cfg: dict, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -223,6 +245,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
     if m == 0:
         return out.view(*lead, n)
     cfg = dict(config) if config is not None else int4_config(m, n, k, w.group, x.device)
+    cfg = fit_stages(cfg, w.group, x.element_size(), w.scale.element_size())
     split_k = cfg.pop("SPLIT_K", 1)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     dest = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
