@@ -36,6 +36,11 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
         ALPHA=const(1.702), MUL_ROUTED_WEIGHT=const(not fuse), UPCAST=const(False))
 
 
+def _gemm_args(fmt: str) -> dict:
+    """The grouped GEMM's own: bf16 MXFP4 experts multiply through tl.dot_scaled."""
+    return dict(SCALED_DOT=const(fmt == "mxfp4"))
+
+
 def kernels() -> dict:
     gemm_mod = importlib.import_module("loraplex.ops.triton.moe_gemm_quant")
     gemv_mod = importlib.import_module("loraplex.ops.triton.moe_gemv_quant")
@@ -50,7 +55,8 @@ def kernels() -> dict:
                             num_valid_ptr="*i32", num_blocks=7, GROUP_M=const(cfg["GROUP_M"]),
                             BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
                             BLOCK_K=const(cfg["BLOCK_K"]), EVEN_K=const(k % cfg["BLOCK_K"] == 0),
-                            EVEN_N=const(n % cfg["BLOCK_N"] == 0), DOT_PRECISION=const("tf32"))
+                            EVEN_N=const(n % cfg["BLOCK_N"] == 0), DOT_PRECISION=const("tf32"),
+                            **_gemm_args(fmt))
                 compiled = compile_sm90(gemm_mod._moe_gemm_quant_kernel, args, cfg["num_warps"],
                                         cfg["num_stages"])
                 out[f"gemm {name} {rows}"] = widths(compiled.asm["ptx"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, make_llm, random_prompts
+from conftest import DEVICE, DTYPE, make_llm, random_prompts
 from quantized import write_fp8_block
 
 from loraplex import ops
@@ -302,17 +302,21 @@ def sm90_counts() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(DTYPE != "float32", reason="compiles for sm_90 once")
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])
 def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
-    """On an H100: the grouped GEMM copies weight bytes and activation tiles to shared
-    memory 16 bytes at a time (MXFP4: the activations whole, split in registers; a K step
-    masked at gpt-oss's 2880 too), reads scales once per group and stores 16-byte
-    vectors; the GEMV reads weight rows in 16-byte vectors."""
+    """On an H100: the grouped GEMM copies activation tiles to shared memory 16 bytes at
+    a time and weight bytes in 16 (FP8; its float32 scales in 4) or 4 (MXFP4 under
+    tl.dot_scaled, whose upcast wants its own shared layout) byte copies, a K step masked
+    at gpt-oss's 2880 too; it
+    reads scales once per group and stores 16-byte vectors; only the bias (once per
+    tile, in the wgmma accumulator's layout) may be read 2 bytes at a time. The GEMV
+    reads weight rows in 16-byte vectors."""
     for rows in ("decode", "prefill"):
         c = sm90_counts[f"gemm {fmt} {gemm} {rows}"]
         assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
-        assert c.get("ld.b16", 0) == 0 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c
+        assert c.get("ld.b16", 0) <= 4 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c
         assert c.get("ld.b8", 0) <= 4, c  # MXFP4: the step's BLOCK_K / 32 scales (gate and up)
     c = sm90_counts[f"gemv {fmt} {gemm}"]
     assert c.get("ld.v4.b32", 0) >= 2 and c.get("ld.b8", 0) <= 2, c
@@ -333,9 +337,10 @@ def test_fp8_block_moe_checkpoint_on_triton(tmp_path, monkeypatch):
         bos_token_id=1, eos_token_id=2, initializer_range=0.08)
     src = write_random_model(tmp_path / "moe", cfg, 0, None)
     quantized, oracle = write_fp8_block(src, tmp_path, (16, 32))
+    # Counted from before the engine starts: on a GPU, steps replay CUDA graphs captured then.
+    calls = count_quantized_kernels(monkeypatch)
     llm = make_llm(quantized, ops_backend="triton")
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and experts.gate_up_proj.block_k == 32
-    calls = count_quantized_kernels(monkeypatch)
     _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
     assert calls["gemm"] > 0 and calls["gemv"] > 0, calls  # prefill; decode (3 tokens x 2 <= 8 experts)

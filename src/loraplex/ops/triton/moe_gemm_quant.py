@@ -11,9 +11,16 @@ activations are not quantized, so no FP8 MMA either), float32 accumulation.
 
 - MXFP4 (Mxfp4Weight: data [E, N, K / 2] two e2m1 per byte, low nibble k = 2j; scale
   [E, N, K / 32] e8m0): a step of BLOCK_K reads BLOCK_K / 2 bytes per row and their
-  BLOCK_K / 32 scales; the low nibbles are W at the even k, the high ones at the odd k,
-  multiplied by A's even and odd columns (A's tile loaded whole, split in registers) in
-  two dots of BLOCK_K / 2 (so BLOCK_K >= 32: tl.dot needs K >= 16).
+  BLOCK_K / 32 scales. Under bf16 activations (SCALED_DOT) they go to tl.dot_scaled as
+  stored: on Hopper Triton upcasts them to bf16 with packed bf16x2 arithmetic, ~6 SASS
+  instructions per weight value against ~17 for the hand-written decode below (sm_90,
+  Triton 3.6, gpt-oss's decode config), which the step is bound by (benchmarks/
+  RESULTS.md, "Quantized bases"); the values are dequantize's exactly (e2m1 x 2^(s -
+  127) is exact in bf16; NaN scales are refused at load, so fast_math's skipped NaN
+  handling changes nothing). Other activation dtypes decode by hand (quant_tiles.py):
+  the low nibbles are W at the even k, the high ones at the odd k, multiplied by A's
+  even and odd columns (A's tile loaded whole, split in registers) in two dots of
+  BLOCK_K / 2 (so BLOCK_K >= 32: tl.dot needs K >= 16).
 - FP8 (Fp8Weight: data [E, N, K] e4m3; scale [E, N, ceil(K / block_k)] float32): one
   scale per column in a step when the step lies in one scale block (block_k = 128 and
   BLOCK_K <= 128: Qwen3-30B-A3B-FP8), else one per value.
@@ -29,14 +36,14 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats import Mxfp4Weight, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_epilogue import store_pairs
 from loraplex.ops.triton.precision import dot_settings
-from loraplex.ops.triton.quant_tiles import even_odd, format_args, fp8_cols, mxfp4_cols
+from loraplex.ops.triton.quant_tiles import even_odd, format_args, fp8_cols, mxfp4_cols, mxfp4_packed_cols
 
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
 
@@ -54,6 +61,7 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
 ):
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
@@ -82,7 +90,17 @@ def _moe_gemm_quant_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if FORMAT == "mxfp4":
+    if FORMAT == "mxfp4" and SCALED_DOT:  # bf16 activations: Triton's MX dot upcasts W
+        for k0 in range(0, K, BLOCK_K):
+            a = row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, False)
+            w, s = mxfp4_packed_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                     BLOCK_K // 2, EVEN_K)
+            acc = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+            if FUSE_ACT:
+                w, s = mxfp4_packed_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                         BLOCK_K // 2, EVEN_K)
+                acc_up = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc_up, fast_math=True)
+    elif FORMAT == "mxfp4":
         for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j holds k = 2j and 2j + 1
             a_even, a_odd = even_odd(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
             lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk, BLOCK_K // 2,
@@ -148,5 +166,12 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SCALED_DOT=scaled_dot(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def scaled_dot(w: QuantizedWeight) -> bool:
+    """Whether the kernel multiplies w's tiles with tl.dot_scaled: MXFP4 experts under bf16
+    activations (the MX dot's emulation upcasts to bf16; float16 or float32 activations
+    take the hand-written dequantization, which rounds to their dtype)."""
+    return isinstance(w, Mxfp4Weight) and w.dtype == torch.bfloat16
