@@ -24,7 +24,8 @@ from benchmarks import harness
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
        "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
        "gelu_tanh_and_mul")
-MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_lora_gemv", "moe_lora")
+MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_gemm_quant", "moe_gemv_quant", "moe_lora_gemv",
+              "moe_lora")
 
 
 class Marks:
@@ -131,6 +132,8 @@ def breakdown(runner, shape, use: bool, refill, replays: int = 20) -> dict:
 def build_parser():
     p = harness.parser(__doc__)
     harness.add_engine_arguments(p)
+    p.add_argument("--gemv-pairs-per-expert", type=float, default=None,
+                   help="quantized experts: take the GEMV form up to this many pairs per expert")
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
     return p
@@ -139,6 +142,11 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     import torch
+
+    from loraplex.ops.triton import fused_moe
+
+    if args.gemv_pairs_per_expert is not None:
+        fused_moe.GEMV_PAIRS_PER_EXPERT = args.gemv_pairs_per_expert
 
     engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,

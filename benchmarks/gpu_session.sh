@@ -4,9 +4,10 @@
 # repository root. Figures go to benchmarks/RESULTS.md (the step named beside each).
 #
 # Usage: OUT=results_dir bash benchmarks/gpu_session.sh [STEP ...]   (default: tests kernels profile bench)
-# Steps: tests tests32 moe-tests | kernels gemms moe-kernels attention prefill-lora |
+# Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
-#        adapter-load interference slot-load | train-moe train-breakdown train-profile
+#        adapter-load interference slot-load | train-moe train-breakdown train-profile |
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -41,6 +42,13 @@ for step in $STEPS; do
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 570 python3 -m pytest -x -q \
         -p no:cacheprovider tests/test_moe_ops.py tests/test_moe.py tests/test_gpt_oss.py \
         2>&1 | tail -25 > "$OUT/moe-tests.log"; tail -5 "$OUT/moe-tests.log" ;;
+    quant-tests)  # quantized bases and the request surface (prefix cache, sampling, structured, tools)
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -q $XDIST \
+        -p no:cacheprovider tests/test_quant_fp8.py tests/test_quant_int4.py tests/test_quant_mxfp4.py \
+        tests/test_quant_moe_kernels.py tests/test_quantized.py tests/test_prefix_cache.py \
+        tests/test_sampling_surface.py tests/test_structured_outputs.py tests/test_tools.py -k "not gemma" \
+        --tb=short > "$OUT/quant-tests.log" 2>&1; grep -E "^(FAILED|ERROR|E  )" "$OUT/quant-tests.log" | head -30
+      tail -1 "$OUT/quant-tests.log" ;;
     kernels)  # RESULTS: "LoRA kernels against their floors", "Adapter kernels in a decode step"
       run kernels 300 kernels --out "$OUT/kernels.json" | tail -60 ;;
     gemms)  # RESULTS: "Base GEMMs"
@@ -63,6 +71,14 @@ for step in $STEPS; do
         --adapters 16 --expert-adapters --routing-stats ${BD_ARGS:-} --out "$OUT/breakdown-gpt-oss.json" | tail -70
       run breakdown-llama 150 decode_breakdown --model llama-3.1-8b --batch 32 --prompt-len 512 \
         --adapters 32 ${BD_ARGS:-} --out "$OUT/breakdown-llama.json" | tail -50 ;;
+    breakdown-quant)  # quantized experts' decode op by op: gpt-oss-20b MXFP4; Qwen3-30B-A3B FP8 with the
+      # GEMV form (its default at 16 tokens: 128 pairs on 128 experts) and with the grouped GEMM
+      for spec in "gpt-oss-20b mxfp4 1" "qwen3-30b-a3b fp8 1" "qwen3-30b-a3b fp8 0.5"; do
+        set -- $spec
+        run breakdown-$2-g$3 150 decode_breakdown --model $1 --quantization $2 --batch 16 --prompt-len 1600 \
+          --adapters 0 --gemv-pairs-per-expert $3 --out "$OUT/breakdown-$2-g$3.json" \
+          | grep -E "decode graph|moe\.|fused_experts|paged_att|linear\." | head -12
+      done ;;
     prefill)  # RESULTS: "Steps with prefill tokens"
       run prefill 300 profile_prefill --out "$OUT/prefill.json" | grep -E "^\[|host us" ;;
     mixed)  # RESULTS: "Mixed steps"
@@ -106,6 +122,47 @@ for step in $STEPS; do
     train-profile)  # kernel tables of the MoE-only step at 16K tokens, loraplex and PEFT
       run train-profile 300 train_moe --layers 2 --seq-lens ${SEQ:-16384} --profile > /dev/null
       grep -A 14 "===" "$OUT/train-profile.txt" ;;
+    prefix)  # RESULTS: "Prefix caching" (32 adapters, each with its own 2,000-token prefix)
+      for mode in enable no-enable; do
+        timeout ${PREFIX_TIMEOUT:-280} python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 32 \
+          --dataset-name prefix_repetition --prefix-repetition-prefix-len 2000 \
+          --prefix-repetition-suffix-len 200 --prefix-repetition-output-len 128 --num-prompts 256 \
+          --max-concurrency 32 --max-num-batched-tokens 8192 --$mode-prefix-caching --cache-dir "$CACHE" \
+          --result-json "$OUT/prefix-$mode.json" 2>&1 | grep -v "it/s" > "$OUT/prefix-$mode.txt"
+        grep -E "^\| llama|prefix cache" "$OUT/prefix-$mode.txt" | tail -2
+      done ;;
+    structured)  # RESULTS: "Structured outputs" (a real 262K vocabulary: Gemma 3's tokenizer)
+      mkdir -p /tmp/gemma-tok && cp .assets/gemma-tokenizer/* /tmp/gemma-tok/ && gunzip -f /tmp/gemma-tok/*.gz
+      run structured 300 structured_outputs --tokenizer /tmp/gemma-tok --cache-dir "$CACHE" \
+        --out "$OUT/structured.json" | tail -3 ;;
+    gpt-oss-mxfp4)  # RESULTS: "gpt-oss-20b MXFP4" (the published format; 16 adapters of rank 16, then
+      # the reference workload: 8 adapters of rank 32)
+      timeout 300 python3 -m loraplex.entrypoints.cli bench --model gpt-oss-20b --quantization mxfp4 \
+        --num-adapters 0 16 --lora-targets q_proj k_proj v_proj o_proj experts --num-prompts ${PROMPTS:-64} \
+        --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
+        --result-json "$OUT/gpt-oss-mxfp4.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss-mxfp4.txt"
+      grep -E "^\| gpt|GiB|distinct" "$OUT/gpt-oss-mxfp4.txt" | tail -6
+      timeout 200 python3 -m loraplex.entrypoints.cli bench --model gpt-oss-20b --quantization mxfp4 \
+        --num-adapters 8 --lora-rank 32 --lora-targets q_proj k_proj v_proj o_proj experts \
+        --num-prompts ${PROMPTS:-64} --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
+        --result-json "$OUT/gpt-oss-mxfp4-ref.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss-mxfp4-ref.txt"
+      grep -E "^\| gpt" "$OUT/gpt-oss-mxfp4-ref.txt" | tail -1 ;;
+    qwen3-fp8)  # RESULTS: "Qwen3-30B-A3B FP8" (bf16 base in the same run, then FP8 base + 16 adapters)
+      for q in "" fp8; do
+        timeout 280 python3 -m loraplex.entrypoints.cli bench --model qwen3-30b-a3b ${q:+--quantization $q} \
+          --num-adapters 0 ${q:+16} --lora-targets q_proj k_proj v_proj o_proj experts \
+          --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
+          --result-json "$OUT/qwen3-${q:-bf16}.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-${q:-bf16}.txt"
+        grep -E "^\| qwen|GiB" "$OUT/qwen3-${q:-bf16}.txt" | tail -4
+      done ;;
+    llama-awq)  # RESULTS: "Llama-3.1-8B AWQ int4" (bf16 base in the same run, then int4 base + 32 adapters)
+      for q in "" awq; do
+        timeout 250 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b ${q:+--quantization $q} \
+          --num-adapters 0 ${q:+32} --num-prompts ${PROMPTS:-256} --max-concurrency 32 --input-len 512 \
+          --output-len 128 --cache-dir "$CACHE" --result-json "$OUT/llama-${q:-bf16}.json" 2>&1 \
+          | grep -v "it/s" > "$OUT/llama-${q:-bf16}.txt"
+        grep -E "^\| llama|GiB" "$OUT/llama-${q:-bf16}.txt" | tail -4
+      done ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -346,6 +346,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b"
     g.add_argument("--prompt-len", type=int, default=prompt_len,
                    help="tokens per prompt (default: %(default)s)")
     g.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    g.add_argument("--quantization", default=None, choices=["fp8", "mxfp4", "awq", "gptq"],
+                   help="random weights in this format (default: bf16)")
 
 
 # ---------------------------------------------------------------- output
@@ -443,7 +445,8 @@ def decode_engine(args: argparse.Namespace, **llm_kwargs):
     """(engine, runner, adapter requests) for `add_engine_arguments`' model, batch and
     adapters: dummy weights, room for prompts of args.prompt_len + 256 tokens."""
     llm, model_dir = dummy_llm(args.model, args.cache_dir, max_loras=max(1, args.adapters), max_lora_rank=16,
-                               max_num_seqs=args.batch, max_model_len=args.prompt_len + 256, **llm_kwargs)
+                               max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
+                               quantization=getattr(args, "quantization", None), **llm_kwargs)
     engine = llm.engine
     loras = random_adapters(engine, model_dir, args.cache_dir, args.adapters, args.expert_adapters)
     return engine, engine.runner, loras

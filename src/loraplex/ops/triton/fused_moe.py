@@ -37,6 +37,11 @@ from loraplex.ops.triton.moe_lora import lora_block_m, moe_lora
 from loraplex.ops.triton.moe_lora_gemv import moe_lora_gemv, splits_per_pair
 from loraplex.ops.triton.quant_tiles import KERNEL_FORMATS
 
+# Quantized experts take the GEMV form while a step's pairs are at most this many per
+# expert (a GEMV program rereads its expert's weights for each pair, from L2 after the
+# first).
+GEMV_PAIRS_PER_EXPERT = 1
+
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
     """The expert-LoRA kernel variant a step of num_tokens runs: ("gemv", programs per
@@ -51,7 +56,8 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
     more pairs than experts: moe_gemv_quant.py) or "gemm" (the grouped GEMM over aligned
     pair blocks: moe_gemm.py, moe_gemm_quant.py)."""
     quantized = isinstance(w_gate_up, KERNEL_FORMATS) and isinstance(w_down, KERNEL_FORMATS)
-    return "gemv" if quantized and num_tokens * top_k <= w_gate_up.shape[0] else "gemm"
+    gemv = quantized and num_tokens * top_k <= GEMV_PAIRS_PER_EXPERT * w_gate_up.shape[0]
+    return "gemv" if gemv else "gemm"
 
 
 def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, **epilogue) -> None:
