@@ -6,13 +6,14 @@ keyword argument. Validation happens here.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loraplex.errors import UnsupportedModel
+from loraplex.errors import InvalidRequest, UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -364,6 +365,57 @@ class SchedulerConfig:
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): each step proposes up to
+    num_speculative_tokens tokens per decoding sequence and verifies them in one forward
+    (engine/speculative.py, runner/rejection.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # k: proposed tokens per sequence per step
+    prompt_lookup_max: int = 4  # ngram: longest suffix searched for
+    prompt_lookup_min: int = 1  # ngram: shortest
+
+    @classmethod
+    def parse(cls, spec: str | dict | None) -> SpeculativeConfig | None:
+        """From vLLM's JSON (a string or a dict); None or {} is no speculation. Unknown
+        keys and methods are errors, never ignored."""
+        if spec is None or spec == "" or spec == {}:
+            return None
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise InvalidRequest(f"speculative config is not JSON: {e}") from e
+        if not isinstance(spec, dict):
+            raise InvalidRequest("speculative config must be a JSON object")
+        fields = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(spec) - fields)
+        if unknown:
+            raise InvalidRequest(f"speculative config: unsupported keys {unknown} "
+                                 f"(supported: {sorted(fields)})")
+        method = spec.get("method", "ngram")
+        if method not in SPECULATIVE_METHODS:
+            raise InvalidRequest(f"speculative config: method {method!r} is not supported "
+                                 f"(supported: {SPECULATIVE_METHODS})")
+        if "num_speculative_tokens" not in spec:
+            raise InvalidRequest("speculative config: num_speculative_tokens is required")
+        values = {}
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in spec:
+                v = spec[key]
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise InvalidRequest(f"speculative config: {key} must be a positive integer, got {v!r}")
+                values[key] = v
+        config = cls(method=method, **values)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise InvalidRequest("speculative config: prompt_lookup_min exceeds prompt_lookup_max")
+        return config
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -384,6 +436,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

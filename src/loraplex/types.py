@@ -192,6 +192,9 @@ class RequestMetrics:
     adapter_source: str | None = None
     adapter_load_time: float | None = None
     adapter_content_id: str | None = None
+    # Speculative decoding: tokens proposed for this request, and of them kept.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -261,6 +264,9 @@ class ScheduledChunk:
     # tokens (the pending one, if any, comes from the previous step's output).
     history: tuple[list[int], list[int]] | None = None
     grammar: object = None  # structured outputs: the compiled grammar its sample must follow
+    # Speculative decoding: tokens proposed after the last known one (the tail of
+    # token_ids), verified by this step; the chunk samples 1 to len + 1 tokens.
+    draft_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -289,3 +295,6 @@ class StepResult:
     sampled_token_ids: list[int | None]
     logprobs: list[PositionLogprobs | None]  # logprobs of the sampled token position
     prompt_logprobs: list[list[PositionLogprobs] | None]
+    # Chunks with draft_ids (by index): the tokens verification kept, then the one it
+    # added (their sampled_token_ids entry stays None).
+    speculated: dict[int, list[int]] = field(default_factory=dict)

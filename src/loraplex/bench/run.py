@@ -123,6 +123,9 @@ def main(args: argparse.Namespace) -> int:
                   f"TPOT median {tpot:.2f} x base")
         if r.extra.get("steps"):
             print(f"{r.label}: engine steps {r.extra['steps']}")
+        if "spec_acceptance_rate" in r.extra:
+            print(f"{r.label}: {r.extra['spec_acceptance_rate']:.1%} of proposed tokens kept "
+                  f"({r.extra['spec_draft_tokens']} proposed in all)")
         if "prefix_cache_hit_rate" in r.extra:
             print(f"{r.label}: {r.extra['prefix_cache_hit_rate']:.1%} of prompt tokens from the prefix cache")
         if "adapter_tiers" in r.extra:
@@ -177,7 +180,8 @@ def _label(args, k: int, dist: str) -> str:
     cold = ", cold" if args.cold_adapters and k else ""
     who = "base" if k == 0 else f"{k} adapters ({dist}{cold})"
     shared = f" (prefix {args.prefix_len})" if getattr(args, "prefix_len", 0) else ""
-    return f"{args.model} {args.input_len}{shared}/{args.output_len} c{args.max_concurrency} {who}"
+    quant = f" {args.quantization}" if getattr(args, "quantization", None) else ""
+    return f"{args.model}{quant} {args.input_len}{shared}/{args.output_len} c{args.max_concurrency} {who}"
 
 
 def _vocab_size(model_dir: Path) -> int:
@@ -251,6 +255,10 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
         if queried:  # this run's prompt tokens found in the prefix cache
             extra["prefix_cache_hit_rate"] = round(
                 (stats["prefix_cache_hit_tokens"] - stats_before["prefix_cache_hit_tokens"]) / queried, 4)
+        drafted = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
+        if drafted:  # speculation: proposals, the share kept, tokens per verified step
+            extra["spec_acceptance_rate"] = round(
+                (stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]) / drafted, 4)
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
             extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in pinned_allocs().items()}
         if args.sample_stacks:

@@ -26,6 +26,7 @@ from loraplex.config import (
     LoRAConfig,
     QuantConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.tokenizer import load_tokenizer
@@ -98,6 +99,10 @@ class EngineArgs:
         None, "fp8: quantize a bf16 checkpoint's linear weights as it loads (block-scaled e4m3); "
         "with load_format dummy, any method (mxfp4, fp8, awq, gptq) gives random weights in that "
         "format; a quantized checkpoint says its own method", choices=QUANTIZATION_METHODS)
+    speculative_config: str | dict | None = _option(
+        None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
+        "k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}; each decoding sequence "
+        "verifies up to k proposed tokens a step", metavar="JSON")
     enable_prefix_caching: bool = _option(
         True, "keep full KV pages and reuse them for later requests with the same prefix, "
         "adapter content and salt", action=argparse.BooleanOptionalAction)
@@ -213,6 +218,7 @@ class EngineArgs:
                 load_workers=self.lora_load_workers,
                 load_timeout=self.lora_load_timeout,
             ),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),

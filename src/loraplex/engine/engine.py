@@ -53,7 +53,8 @@ class LLMEngine:
         self.config = config
         # Stop strings of the model itself (generation_config.json), added to every request.
         self.default_stop = default_stop
-        self.async_scheduling = async_scheduling
+        # Speculation proposes from the tokens of the step just run: it plans after them.
+        self.async_scheduling = async_scheduling and config.speculative is None
         self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
@@ -75,6 +76,7 @@ class LLMEngine:
             BlockManager(self.runner.num_blocks, config.cache.block_size,
                          enable_caching=config.cache.enable_prefix_caching),
             SlotTable(config.lora.max_loras),
+            config.speculative,
         )
         self._live: dict[str, _Live] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with several samples
@@ -246,6 +248,8 @@ class LLMEngine:
             "prefix_cache_queried_tokens": self.scheduler.blocks.num_queried_tokens,
             "prefix_cache_hit_tokens": self.scheduler.blocks.num_hit_tokens,
             "prefix_cache_blocks": self.scheduler.blocks.num_cached_blocks,
+            "spec_draft_tokens": self.scheduler.num_draft_tokens,
+            "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
         }
         if self.adapters is not None:
             out["adapter_disk_loads"] = self.adapters.num_loads["disk"]

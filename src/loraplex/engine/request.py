@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterTicket
+from loraplex.engine.speculative import NgramIndex
 from loraplex.types import (
     PENDING_TOKEN,
     LoRARequest,
@@ -63,6 +64,8 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding: its n-gram index (made at its first proposal).
+    ngram: NgramIndex | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -23,14 +23,16 @@ import time
 from collections import deque
 
 from loraplex.adapters.slot_table import SlotTable
-from loraplex.config import SchedulerConfig
+from loraplex.config import SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.speculative import NgramIndex, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable,
+                 speculative: SpeculativeConfig | None = None):
         # Otherwise a request could outgrow the whole cache and preempt itself forever.
         assert blocks.num_blocks * blocks.block_size >= config.max_model_len, (
             "the KV cache must hold one max_model_len sequence"
@@ -43,6 +45,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._pinned_loads: dict[int, str] = {}  # slot -> adapter to copy in next step
+        self.speculative = speculative
+        self.num_draft_tokens = 0  # speculation: tokens proposed, and of them kept
+        self.num_accepted_tokens = 0
 
     # -- queue -------------------------------------------------------------------------
 
@@ -98,6 +103,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = self._propose(req, budget) if n == 1 else []
+            n += len(drafts)
             while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
                 victim = next(r for r in reversed(self.running) if r.request_id not in planned)
                 self.running.remove(victim)
@@ -107,7 +114,7 @@ class Scheduler:
                     break
             else:
                 self.blocks.grow(req.block_ids, req.num_computed_tokens + n)
-                plan.chunks.append(self._chunk(req, n))
+                plan.chunks.append(self._chunk(req, n - len(drafts), drafts))
                 planned.add(req.request_id)
                 budget -= n
 
@@ -115,6 +122,25 @@ class Scheduler:
         if not preempted:
             budget = self._admit(plan, budget, now)
         return plan
+
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        """Speculation: tokens to verify after a decoding request's last one, within the
+        step's budget, its max_tokens and max_model_len, and pages free now (a proposal
+        never preempts)."""
+        spec = self.speculative
+        if spec is None or req.num_pending or not speculates(req.sampling, req.num_output_tokens):
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - req.num_tokens)
+        if req.sampling.max_tokens is not None:
+            room = min(room, req.sampling.max_tokens - req.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        if req.ngram is None:
+            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = req.ngram.propose(req.known_tokens(), room)
+        if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
+            return []
+        return drafts
 
     def _admit(self, plan: StepPlan, budget: int, now: float) -> int:
         """Admit waiting requests, oldest first, while pages, sequences and budget last.
@@ -199,7 +225,8 @@ class Scheduler:
             self.blocks.register(req.block_ids[i], req.page_hashes[i])
         req.num_registered_pages = max(req.num_registered_pages, full)
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledChunk:
+        """The next n known tokens of `req`, then any proposed ones (`drafts`)."""
         start = req.num_computed_tokens
         end = start + n
         task = None
@@ -216,7 +243,7 @@ class Scheduler:
                 )
         chunk = ScheduledChunk(
             request_id=req.request_id,
-            token_ids=req.token_ids_between(start, end),
+            token_ids=req.token_ids_between(start, end) + (drafts or []),
             start_pos=start,
             block_ids=list(req.block_ids),
             lora_slot=req.lora_slot,
@@ -224,6 +251,7 @@ class Scheduler:
             sampling=req.sampling,
             num_output_tokens=req.num_output_tokens,
             prompt_logprobs=task,
+            draft_ids=drafts or None,
         )
         sp = req.sampling
         penalized = sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
@@ -231,7 +259,8 @@ class Scheduler:
             chunk.history = (req.prompt_token_ids, req.output_token_ids)  # read at launch, not copied
         if chunk.sample and req.grammar is not None:
             chunk.grammar = req.grammar.result()
-        req.num_computed_tokens = end
+        # Drafts are computed by this step; update() keeps those verification accepts.
+        req.num_computed_tokens = end + len(drafts or [])
         req.num_pending += chunk.sample
         return chunk
 
@@ -269,37 +298,58 @@ class Scheduler:
         """Apply a step's results; returns the requests that gained tokens or finished."""
         touched = []
         now = time.monotonic()
-        max_len = self.config.max_model_len
-        for chunk, token, logprobs, prompt_lps in zip(
+        for i, (chunk, token, logprobs, prompt_lps) in enumerate(zip(
             plan.chunks, result.sampled_token_ids, result.logprobs, result.prompt_logprobs
-        ):
+        )):
             req = self.requests.get(chunk.request_id)
             if req is None:
                 continue  # ended (stopped, aborted) while this step was in flight
             if prompt_lps:
                 req.prompt_logprobs.extend(prompt_lps)
+            if chunk.draft_ids:
+                self._verified(req, chunk, result.speculated[i], now)
+                touched.append(req)
+                continue
             if token is None:
                 self._register_pages(req)
                 if prompt_lps:
                     touched.append(req)
                 continue
             req.num_pending -= 1
-            req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.logprobs.append(logprobs)
-                req.cumulative_logprob += logprobs[token].logprob
-            req.metrics.first_token_time = req.metrics.first_token_time or now
-            req.metrics.last_token_time = now
             touched.append(req)
-            self._register_pages(req)  # before a stop frees them: a next turn may reuse them
-            sp = req.sampling
-            n_out = len(req.output_token_ids)
-            if n_out >= sp.min_tokens and not sp.ignore_eos and token in req.eos_token_ids:
-                self.finish(req, "stop")
-            elif n_out >= sp.min_tokens and token in sp.stop_token_ids:
-                self.finish(req, "stop", token)
-            elif (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
-                req.num_prompt_tokens + n_out >= max_len
-            ):
-                self.finish(req, "length")
+            self._append(req, token, logprobs, now)
         return touched
+
+    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int], now: float) -> None:
+        """A speculated chunk's result: the proposals kept and the token added. The KV of
+        the rejected ones is left behind, to be overwritten."""
+        req.num_pending -= 1
+        self.num_draft_tokens += len(chunk.draft_ids)
+        self.num_accepted_tokens += len(tokens) - 1
+        req.metrics.num_draft_tokens += len(chunk.draft_ids)
+        req.metrics.num_accepted_tokens += len(tokens) - 1
+        req.num_computed_tokens = chunk.start_pos + len(tokens)
+        for token in tokens:
+            if self._append(req, token, None, now):
+                break
+
+    def _append(self, req: Request, token: int, logprobs, now: float) -> bool:
+        """One sampled token onto `req`, then its stop conditions; True if it finished."""
+        req.output_token_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
+            req.cumulative_logprob += logprobs[token].logprob
+        req.metrics.first_token_time = req.metrics.first_token_time or now
+        req.metrics.last_token_time = now
+        self._register_pages(req)  # before a stop frees them: a next turn may reuse them
+        sp = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= sp.min_tokens and not sp.ignore_eos and token in req.eos_token_ids:
+            self.finish(req, "stop")
+        elif n_out >= sp.min_tokens and token in sp.stop_token_ids:
+            self.finish(req, "stop", token)
+        elif (sp.max_tokens is not None and n_out >= sp.max_tokens) or (
+            req.num_prompt_tokens + n_out >= self.config.max_model_len
+        ):
+            self.finish(req, "length")
+        return req.finished

@@ -127,7 +127,7 @@ class InputBuffers:
             tables[b, : len(pages)] = pages
             max_blocks = max(max_blocks, len(pages))
             end = qsl[-1] + n
-            if chunk.sample:
+            if chunk.sample and not chunk.draft_ids:  # speculated chunks: verified apart
                 sample_rows.append(end - 1)
                 sample_chunks.append(b)
             qsl.append(end)

@@ -37,7 +37,8 @@ from loraplex.models.weights import (
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
-from loraplex.runner.sampler import SamplingRows, sample, token_logprobs
+from loraplex.runner.rejection import rejection_sample
+from loraplex.runner.sampler import SamplingRows, sample, sampling_probs, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.runner.structured import GrammarRows
 from loraplex.types import (
@@ -316,6 +317,8 @@ class ModelRunner:
         if inputs.sample_chunks:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             self._sample(plan, inputs.sample_chunks, logits, out)
+        if any(c.draft_ids for c in plan.chunks):
+            self._verify(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         out.start_copies()
         if start is not None:
@@ -412,6 +415,30 @@ class ModelRunner:
         out.sample_chunks, out.sample_logprobs, out.token_ids = rows, want, token_ids
         self._last_token_ids, self._last_step = token_ids, out
         self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
+
+    def _verify(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
+        """Speculated chunks: the target's distributions at the last known token and at
+        each proposal, then rejection sampling (runner/rejection.py) over [S, k + 1]
+        rows (shorter proposals padded with their last row)."""
+        spec = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
+        k = max(len(plan.chunks[i].draft_ids) for i in spec)
+        rows, drafts, num = [], [], []
+        for i in spec:
+            d = plan.chunks[i].draft_ids
+            first = qsl[i] + plan.chunks[i].num_tokens - len(d) - 1  # the last known token's row
+            rows += [first + min(j, len(d)) for j in range(k + 1)]
+            drafts.append(d + [0] * (k - len(d)))
+            num.append(len(d))
+        sps = [plan.chunks[i].sampling for i in spec for _ in range(k + 1)]
+        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        probs = sampling_probs(logits, [sp.temperature for sp in sps], [sp.top_k for sp in sps],
+                               [sp.top_p for sp in sps]).view(len(spec), k + 1, -1)
+        greedy = to_device([plan.chunks[i].sampling.greedy for i in spec], torch.bool, self.device)
+        verified = rejection_sample(probs, to_device(drafts, torch.int64, self.device),
+                                    to_device(num, torch.int64, self.device), greedy,
+                                    generator=self.generator)
+        out.spec_chunks = spec
+        out.spec_token_ids, out.spec_accepted = verified.token_ids, verified.num_accepted
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
         rows, targets = [], []

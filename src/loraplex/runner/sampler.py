@@ -115,6 +115,18 @@ def sample(logits: torch.Tensor, rows: SamplingRows, generator: torch.Generator)
     return torch.where(greedy, greedy_ids, random_ids)
 
 
+def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int],
+                   top_p: list[float]) -> torch.Tensor:
+    """The distribution sample() draws a row from when only temperature, top-k and top-p
+    apply, [N, V] float32 (greedy rows: the softmax of their logits, whose argmax is
+    their token). Speculative verification needs it whole. May modify logits."""
+    t = to_device([x if x >= 1e-5 else 1.0 for x in temperature], torch.float32, logits.device)
+    logits = logits.float().div_(t[:, None])
+    if any(0 < k < logits.shape[-1] for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    return logits.softmax(dim=-1)
+
+
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)

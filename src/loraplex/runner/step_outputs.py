@@ -43,13 +43,19 @@ class LaunchedStep:
     # Prompt logprobs: (chunk index, task) in row order, and their logprobs.
     prompt_tasks: list = field(default_factory=list)
     prompt_lps: TokenLogprobs | None = None
+    # Speculated chunks (plan indices) and their verification: [S, k + 1] token ids, of
+    # which the first num_accepted + 1 per row are the output.
+    spec_chunks: list[int] = field(default_factory=list)
+    spec_token_ids: torch.Tensor | None = None
+    spec_accepted: torch.Tensor | None = None
     _host: dict = field(default_factory=dict)
     _event: torch.cuda.Event | None = None
     timing: StepTiming | None = None  # when launched with timed=True
 
     def start_copies(self) -> None:
         """Queue device-to-host copies of everything the host will read."""
-        tensors = {"token_ids": self.token_ids}
+        tensors = {"token_ids": self.token_ids, "spec_token_ids": self.spec_token_ids,
+                   "spec_accepted": self.spec_accepted}
         for name in ("sample_lps", "prompt_lps"):
             lps = getattr(self, name)
             if lps is not None:
@@ -85,6 +91,10 @@ class LaunchedStep:
                 result.sampled_token_ids[i] = ids[j]
                 if want is not None:
                     result.logprobs[i] = position_logprobs(lps, j, ids[j], want)
+        if self.spec_chunks:
+            ids, accepted = self._host["spec_token_ids"].tolist(), self._host["spec_accepted"].tolist()
+            for j, i in enumerate(self.spec_chunks):
+                result.speculated[i] = ids[j][: accepted[j] + 1]
         if self.prompt_tasks:
             lps = self._host_lps("prompt_lps")
             j = 0

@@ -32,7 +32,11 @@ class _EngineCollector:
                 ("loraplex_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                  "prefix_cache_queried_tokens"),
                 ("loraplex_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                 "prefix_cache_hit_tokens")):
+                 "prefix_cache_hit_tokens"),
+                ("loraplex_spec_decode_draft_tokens", "Tokens proposed by speculative decoding",
+                 "spec_draft_tokens"),
+                ("loraplex_spec_decode_accepted_tokens", "Proposed tokens verification kept",
+                 "spec_accepted_tokens")):
             yield CounterMetricFamily(name, doc, value=s[key])
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into a tier",
                                     labels=["tier"])

@@ -116,5 +116,7 @@ def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput]
         "e2e_ms": slowest(_ms(m.arrival_time, m.finished_time) for m in ms),
         "preemptions": sum(m.num_preemptions for m in ms),
         "cached_tokens": sum(o.num_cached_tokens for o in outs),
+        "speculated_tokens": sum(m.num_draft_tokens for m in ms),
+        "speculated_tokens_accepted": sum(m.num_accepted_tokens for m in ms),
         **usage(outs),
     }

@@ -1,0 +1,71 @@
+"""Speculative decoding, host side: which requests speculate, and the n-gram proposer
+(the configuration, vLLM's `--speculative-config` JSON: config.SpeculativeConfig).
+
+The n-gram proposer (vLLM's "ngram", prompt lookup decoding) needs no model: for the
+longest n in [prompt_lookup_min, prompt_lookup_max] whose last n tokens of a sequence
+occurred earlier in it, the tokens that followed the latest earlier occurrence are the
+proposal, up to num_speculative_tokens of them. It reads only its own sequence's
+tokens, so proposals never cross requests. The runner verifies all of them in one
+forward (runner/rejection.py) and keeps the target model's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loraplex.types import SamplingParams
+
+
+def speculates(sp: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a request's next tokens may be proposed and verified in one step. Left
+    out (they decode a token a step): rows whose sampling reads the tokens before them
+    (penalties, logit_bias, min_p, a grammar), rows still under min_tokens, rows that
+    return logprobs, and seeded random rows (their draws are keyed by token index,
+    which verification's draws are not)."""
+    return (sp.logprobs is None and sp.structured_outputs is None and not sp.logit_bias
+            and sp.repetition_penalty == 1.0 and not sp.frequency_penalty and not sp.presence_penalty
+            and not sp.min_p and num_output_tokens >= sp.min_tokens and (sp.seed is None or sp.greedy))
+
+
+class NgramIndex:
+    """propose_ngram for one growing sequence, in time independent of its length: each
+    n-gram (n_min..n_max) maps to the position after its latest occurrence, indexed as
+    tokens arrive (a decode step adds a few). Known tokens only grow, also across a
+    preemption, so the index never goes stale."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest occurrence
+        self.num_indexed = 1  # positions p < num_indexed have their n-grams ending at p - 1 indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """propose_ngram(tokens, k, n_min, n_max), for the tokens seen so far plus new ones."""
+        length = len(tokens)
+        # An n-gram tokens[p - n : p] is followed by tokens[p]: positions p <= length - 1
+        # (the suffix's own next position, length, is not known).
+        for p in range(self.num_indexed, length):
+            for n in range(self.n_min, min(self.n_max, p) + 1):
+                self.after[tuple(tokens[p - n: p])] = p
+        self.num_indexed = max(self.num_indexed, length)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            p = self.after.get(tuple(tokens[length - n:]))
+            if p is not None:
+                return tokens[p: p + k]
+        return []
+
+
+def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's
+    longest matching suffix of n_min..n_max tokens; [] where none occurred (the plain
+    search NgramIndex answers incrementally)."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    length = len(seq)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = seq[length - n:]
+        # Windows that start before the suffix itself and leave a token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return seq[start: start + k].tolist()
+    return []

@@ -1,0 +1,265 @@
+"""Speculative decoding's parts: vLLM's --speculative-config, the n-gram proposer
+(engine/speculative.py) and the verification sampler (runner/rejection.py), whose
+output must have the target model's distribution whatever was proposed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ARCHS, DTYPE, assert_same_greedy_tokens, make_llm, random_prompts
+
+from loraplex import LoRARequest, SamplingParams
+from loraplex.config import SpeculativeConfig
+from loraplex.engine.speculative import NgramIndex, propose_ngram
+from loraplex.errors import InvalidRequest
+from loraplex.runner.rejection import rejection_sample
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def test_config_parses_vllm_json():
+    spec = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
+    assert SpeculativeConfig.parse(spec) == SpeculativeConfig("ngram", 5, 3, 2)
+    parsed = SpeculativeConfig.parse({"num_speculative_tokens": 2})
+    assert parsed == SpeculativeConfig(num_speculative_tokens=2)
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+
+
+@pytest.mark.parametrize("spec,error", [
+    ("{not json", "not JSON"),
+    ("[1]", "JSON object"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"num_speculative_tokens": 0}, "positive integer"),
+    ({"num_speculative_tokens": True}, "positive integer"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "exceeds"),
+    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unsupported keys"),
+])
+def test_config_refuses_what_it_cannot_honour(spec, error):
+    with pytest.raises(InvalidRequest, match=error):
+        SpeculativeConfig.parse(spec)
+
+
+# -- the n-gram proposer ---------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_suffix():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], k=3, n_min=1, n_max=4) == [3, 4, 1]
+    assert propose_ngram([1, 2, 3, 4, 1, 2], k=1, n_min=1, n_max=4) == [3]
+    assert propose_ngram([5, 6, 7], k=3, n_min=1, n_max=4) == []  # no earlier occurrence
+    assert propose_ngram([9], k=3, n_min=1, n_max=4) == []
+    assert propose_ngram([1, 2, 3, 1, 2], k=5, n_min=1, n_max=2) == [3, 1, 2]  # fewer than k left
+
+
+def test_ngram_prefers_the_longest_suffix_then_the_latest_occurrence():
+    # Last token 7: its latest earlier occurrence is followed by 0, but the 2-gram (3, 7)
+    # occurred earlier, followed by 8.
+    tokens = [3, 7, 8, 1, 7, 0, 5, 3, 7]
+    assert propose_ngram(tokens, k=1, n_min=1, n_max=2) == [8]
+    assert propose_ngram(tokens, k=1, n_min=1, n_max=1) == [0]
+    assert propose_ngram(tokens, k=1, n_min=2, n_max=2) == [8]
+    assert propose_ngram([4, 4, 4, 4], k=2, n_min=1, n_max=3) == [4]  # overlapping runs
+
+
+def test_the_incremental_index_proposes_what_the_search_does():
+    """NgramIndex against propose_ngram on random sequences over a small alphabet (many
+    repeats), grown one to four tokens at a time, with every n range and k."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        n_min = 1 + trial % 3
+        n_max = n_min + trial % 4
+        k = 1 + trial % 5
+        index = NgramIndex(n_min, n_max)
+        tokens = torch.randint(0, 2 + trial % 6, (3,), generator=gen).tolist()
+        while len(tokens) < 80:
+            want = propose_ngram(tokens, k, n_min, n_max)
+            assert index.propose(tokens, k) == want, (tokens, n_min, n_max, k)
+            tokens += torch.randint(0, 2 + trial % 6, (1 + len(tokens) % 4,), generator=gen).tolist()
+
+
+# -- verification ----------------------------------------------------------------------------
+
+
+def _one_hot_probs(argmaxes: list[list[int]], vocab: int) -> torch.Tensor:
+    probs = torch.full((len(argmaxes), len(argmaxes[0]), vocab), 0.1 / vocab)
+    for s, row in enumerate(argmaxes):
+        for j, t in enumerate(row):
+            probs[s, j, t] += 0.9
+    return probs
+
+
+def test_greedy_rows_keep_proposals_while_they_are_the_argmax():
+    probs = _one_hot_probs([[3, 1, 4, 2], [3, 1, 4, 2], [3, 1, 4, 2], [5, 5, 5, 5]], vocab=8)
+    drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [6, 1, 4], [5, 5, 5]])
+    num = torch.tensor([3, 3, 3, 1])  # the last row proposed one token only
+    out = rejection_sample(probs, drafts, num, greedy=torch.ones(4, dtype=torch.bool))
+    assert out.num_accepted.tolist() == [3, 1, 0, 1]
+    assert out.token_ids.tolist() == [[3, 1, 4, 2], [3, 1, -1, -1], [3, -1, -1, -1], [5, 5, -1, -1]]
+
+
+def test_no_proposals_is_plain_decoding():
+    probs = _one_hot_probs([[2], [6]], vocab=8)
+    out = rejection_sample(probs, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                           greedy=torch.tensor([True, True]))
+    assert out.num_accepted.tolist() == [0, 0] and out.token_ids.tolist() == [[2], [6]]
+
+
+def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).double() / len(tokens)
+
+
+@pytest.mark.parametrize("proposer", ["deterministic", "draft model"])
+def test_sampled_tokens_keep_the_target_distribution(proposer):
+    """Temperature 1 on a vocabulary of 5, k = 2, 200,000 sequences: the first output
+    token follows p_0, and after a kept first proposal the second follows p_1,
+    whichever proposals came (a fixed n-gram guess, or draws from a draft model's q)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, n, k = 5, 200_000, 2
+    p = torch.tensor([[0.50, 0.20, 0.15, 0.10, 0.05],
+                      [0.05, 0.05, 0.30, 0.40, 0.20],
+                      [0.20, 0.20, 0.20, 0.20, 0.20]])
+    probs = p.expand(n, k + 1, vocab)
+    if proposer == "deterministic":
+        drafts, q = torch.tensor([1, 3]).expand(n, k), None
+    else:
+        q_rows = torch.tensor([[0.10, 0.60, 0.10, 0.10, 0.10], [0.25, 0.25, 0.00, 0.25, 0.25]])
+        drafts = torch.stack([torch.multinomial(q_rows[j], n, replacement=True, generator=gen)
+                              for j in range(k)], dim=1)
+        q = q_rows.expand(n, k, vocab)
+    out = rejection_sample(probs, drafts, torch.full((n,), k), torch.zeros(n, dtype=torch.bool), q, gen)
+    tolerance = 5 * (0.25 / n) ** 0.5  # five standard deviations of a frequency
+    first = _frequencies(out.token_ids[:, 0], vocab)
+    assert (first - p[0].double()).abs().max() < tolerance, first
+    kept = out.num_accepted >= 1
+    second = _frequencies(out.token_ids[kept, 1], vocab)
+    assert (second - p[1].double()).abs().max() < 5 * (0.25 / int(kept.sum())) ** 0.5, second
+    assert 0 < kept.float().mean() < 1  # both branches were taken
+
+
+# -- in the engine ---------------------------------------------------------------------------
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _prompts(n: int = 6) -> list[list[int]]:
+    """Half with repeated phrases (the n-gram proposer finds them at once), half random."""
+    repeated = [([7 + i, 40 + i, 90, 13 + 2 * i] * 4)[: 9 + i] for i in range(n // 2)]
+    return repeated + random_prompts(n - n // 2, (5, 20), seed=11)
+
+
+def _loras(adapter_dirs, arch, n):
+    names = list(adapter_dirs[arch])
+    return [None if i % 3 == 0 else
+            LoRARequest(names[i % 3], 1 + i % 3, str(adapter_dirs[arch][names[i % 3]])) for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_are_those_of_plain_decoding(arch, model_dirs, adapter_dirs):
+    """Every dense architecture, base rows beside two adapters: greedy tokens with
+    n-gram speculation equal plain decoding's, and proposals were kept."""
+    prompts = _prompts()
+    loras = _loras(adapter_dirs, arch, len(prompts))
+    scored = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    plain = make_llm(model_dirs[arch]).generate(prompts, scored, loras, use_tqdm=False)
+    llm = make_llm(model_dirs[arch], speculative_config=SPEC)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), loras,
+                       use_tqdm=False)
+    for g, p in zip(got, plain):
+        assert len(g.outputs[0].token_ids) == 24
+        assert_same_greedy_tokens(g.outputs[0], p.outputs[0])
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"], stats
+
+
+def test_speculation_under_preemption_stops_and_opt_outs(model_dirs):
+    """A cache of 8 pages for 8 requests: preempted requests recompute and speculate
+    again; stop tokens and max_tokens end a request inside a verified run exactly where
+    plain decoding ends it; seeded random requests (which do not speculate) and rows
+    with logprobs give plain decoding's tokens too."""
+    prompts = _prompts(8)
+    plain_llm = make_llm(model_dirs["qwen3"])
+    llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC, num_gpu_blocks_override=8, max_model_len=64,
+                   max_num_seqs=8)
+    first = plain_llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[first[5]]),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
+    sps = [params[i % len(params)] for i in range(len(prompts))]
+    want = plain_llm.generate(prompts, sps, use_tqdm=False)
+    got = llm.generate(prompts, sps, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in got) > 0
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids or DTYPE != "float32"
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs):
+    """Temperature 0.8 with top-p, unseeded: rows speculate and every request gets its
+    max_tokens (the distribution itself: test_sampled_tokens_keep_the_target_distribution)."""
+    llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(_prompts(), sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    assert llm.engine.stats()["spec_draft_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """Tiny Qwen3-MoE: 8 experts, top-2."""
+    import transformers
+
+    from loraplex.bench.synthetic import write_random_model
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
+    return write_random_model(tmp_path_factory.mktemp("spec-moe") / "qwen3moe", cfg, 0, None)
+
+
+def test_moe_greedy_tokens_are_those_of_plain_decoding(moe_dir):
+    """Qwen3-MoE (experts in the verified positions too): speculation changes no token."""
+    prompts = _prompts()
+    plain = make_llm(moe_dir).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5), use_tqdm=False)
+    llm = make_llm(moe_dir, speculative_config=SPEC)
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for g, p in zip(got, plain):
+        assert_same_greedy_tokens(g.outputs[0], p.outputs[0])
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+def test_server_speculates_and_reports_it(chat_model):
+    """`loraplex serve --speculative-config`: completions (streamed or not) equal the
+    offline engine's plain greedy text; the receipt counts the proposed and kept tokens,
+    /metrics the totals."""
+    import httpx
+    from serving import client, running, serve_args
+
+    prompt = "t5 t6 t7 t8 t5 t6 t7 t8 t5 t6"
+    want = make_llm(chat_model, max_model_len=96).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    servers = running(serve_args(chat_model, "--speculative-config", json.dumps(SPEC)))
+    server = next(servers)
+    try:
+        r = client(server).completions.create(model=str(chat_model), prompt=prompt, max_tokens=20,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want.text and r.usage.completion_tokens == 20
+        receipt = r.model_extra["loraplex"]
+        assert 0 < receipt["speculated_tokens_accepted"] <= receipt["speculated_tokens"], receipt
+        chunks = list(client(server).completions.create(
+            model=str(chat_model), prompt=prompt, max_tokens=20, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        text = httpx.get(server.url + "/metrics").text
+        assert "loraplex_spec_decode_draft_tokens_total" in text
+        assert "loraplex_spec_decode_accepted_tokens_total" in text
+    finally:
+        next(servers, None)
