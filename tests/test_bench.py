@@ -303,3 +303,14 @@ def test_plot_runs_share_bins(monkeypatch, tmp_path):
         assert e0[0] <= min(x0.min(), x1.min()) and e0[-1] >= max(x0.max(), x1.max())
     # One TPOT for every request (up to rounding) has no range to split into bins.
     plot([run("steady", 0.1 + 0.001 * np.arange(50), 0.010, spread=0)], str(tmp_path / "p.png"))
+
+
+def test_bench_reports_speculation(model_dirs, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    assert cli(["bench", "--model", str(model_dirs["qwen3"]), "--num-prompts", "6", "--input-len", "24",
+                "--output-len", "24", "--max-concurrency", "3", "--num-adapters", "0", "--dtype", "float32",
+                "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out)]) == 0
+    assert "of proposed tokens kept" in capsys.readouterr().out
+    extra = json.loads(out.read_text())[0]["extra"]
+    assert 0 <= extra["spec_acceptance_rate"] <= 1 and extra["spec_mean_accepted_length"] >= 1

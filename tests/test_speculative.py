@@ -12,7 +12,7 @@ from conftest import ARCHS, DTYPE, assert_same_greedy_tokens, make_llm, random_p
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.config import SpeculativeConfig
-from loraplex.engine.speculative import NgramIndex, propose_ngram
+from loraplex.engine.speculative import NgramIndex, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
 from loraplex.runner.rejection import rejection_sample
 
@@ -40,6 +40,14 @@ def test_config_parses_vllm_json():
 def test_config_refuses_what_it_cannot_honour(spec, error):
     with pytest.raises(InvalidRequest, match=error):
         SpeculativeConfig.parse(spec)
+
+
+def test_proposal_length_follows_acceptance():
+    assert draft_length(4, 1.0) == 4 and draft_length(4, 0.5) == 4
+    assert draft_length(4, 0.3) == 2 and draft_length(1, 0.3) == 1
+    assert draft_length(4, 0.1) == 1  # still one, to keep measuring
+    parsed = SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 8})
+    assert parsed.disable_by_batch_size == 8
 
 
 # -- the n-gram proposer ---------------------------------------------------------------------
@@ -261,5 +269,37 @@ def test_server_speculates_and_reports_it(chat_model):
         text = httpx.get(server.url + "/metrics").text
         assert "loraplex_spec_decode_draft_tokens_total" in text
         assert "loraplex_spec_decode_accepted_tokens_total" in text
+        assert "loraplex_spec_decode_num_drafts_total" in text
     finally:
         next(servers, None)
+
+
+def test_large_batches_do_not_speculate(model_dirs):
+    """disable_by_batch_size 2: four requests in flight together propose nothing; one
+    alone does."""
+    spec = {**SPEC, "disable_by_batch_size": 2}
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(model_dirs["qwen3"], speculative_config=spec)
+    llm.generate(_prompts(4), sp, use_tqdm=False)
+    assert llm.engine.stats()["spec_draft_tokens"] == 0
+    llm.generate(_prompts(4)[:1], sp, use_tqdm=False)
+    assert llm.engine.stats()["spec_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p",
+                         [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.6, 4, 0.9)])
+def test_verification_probabilities_are_the_samplers(temperature, top_k, top_p):
+    """sampling_probs (what verification accepts against) is the distribution sample()
+    draws from: 40,000 draws of one row of peaked logits, frequencies within five
+    standard deviations."""
+    from loraplex.runner.sampler import SamplingRows, sample, sampling_probs
+
+    n, vocab = 40_000, 8
+    logits = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 2).expand(n, vocab)
+    rows = SamplingRows(temperature=[temperature] * n, top_k=[top_k] * n, top_p=[top_p] * n,
+                        generators=[None] * n, banned=[[]] * n)
+    drawn = sample(logits.clone(), rows, torch.Generator().manual_seed(2))
+    want = sampling_probs(logits[:1].clone(), [temperature], [top_k], [top_p])[0].double()
+    got = _frequencies(drawn, vocab)
+    assert (got - want).abs().max() < 5 * (0.25 / n) ** 0.5, (got, want)
+    assert ((want > 0) == (got > 0)).all()  # the same tokens cut by top-k / top-p

@@ -378,6 +378,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # k: proposed tokens per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest suffix searched for
     prompt_lookup_min: int = 1  # ngram: shortest
+    # No proposals while more requests than this are running: a large batch is compute-
+    # bound, where each verified token costs nearly what a decoded one does.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, spec: str | dict | None) -> SpeculativeConfig | None:
@@ -392,7 +395,8 @@ class SpeculativeConfig:
                 raise InvalidRequest(f"speculative config is not JSON: {e}") from e
         if not isinstance(spec, dict):
             raise InvalidRequest("speculative config must be a JSON object")
-        fields = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        counts = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+        fields = {"method", *counts}
         unknown = sorted(set(spec) - fields)
         if unknown:
             raise InvalidRequest(f"speculative config: unsupported keys {unknown} "
@@ -404,7 +408,7 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in spec:
             raise InvalidRequest("speculative config: num_speculative_tokens is required")
         values = {}
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for key in counts:
             if key in spec:
                 v = spec[key]
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -124,8 +124,8 @@ def main(args: argparse.Namespace) -> int:
         if r.extra.get("steps"):
             print(f"{r.label}: engine steps {r.extra['steps']}")
         if "spec_acceptance_rate" in r.extra:
-            print(f"{r.label}: {r.extra['spec_acceptance_rate']:.1%} of proposed tokens kept "
-                  f"({r.extra['spec_draft_tokens']} proposed in all)")
+            print(f"{r.label}: {r.extra['spec_acceptance_rate']:.1%} of proposed tokens kept, "
+                  f"{r.extra['spec_mean_accepted_length']:.2f} tokens per verified step")
         if "prefix_cache_hit_rate" in r.extra:
             print(f"{r.label}: {r.extra['prefix_cache_hit_rate']:.1%} of prompt tokens from the prefix cache")
         if "adapter_tiers" in r.extra:
@@ -256,9 +256,11 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
             extra["prefix_cache_hit_rate"] = round(
                 (stats["prefix_cache_hit_tokens"] - stats_before["prefix_cache_hit_tokens"]) / queried, 4)
         drafted = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
-        if drafted:  # speculation: proposals, the share kept, tokens per verified step
-            extra["spec_acceptance_rate"] = round(
-                (stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]) / drafted, 4)
+        if drafted:  # speculation: the share of proposals kept, tokens per verified step
+            accepted = stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]
+            verified = stats["spec_verified_chunks"] - stats_before["spec_verified_chunks"]
+            extra["spec_acceptance_rate"] = round(accepted / drafted, 4)
+            extra["spec_mean_accepted_length"] = round(1 + accepted / verified, 3)
         if pinned_before is not None:  # cudaHostAlloc/Free calls: each holds a driver lock
             extra["pinned_allocs"] = {k: round(v - pinned_before[k], 1) for k, v in pinned_allocs().items()}
         if args.sample_stacks:

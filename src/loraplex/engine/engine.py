@@ -250,6 +250,7 @@ class LLMEngine:
             "prefix_cache_blocks": self.scheduler.blocks.num_cached_blocks,
             "spec_draft_tokens": self.scheduler.num_draft_tokens,
             "spec_accepted_tokens": self.scheduler.num_accepted_tokens,
+            "spec_verified_chunks": self.scheduler.num_verified_chunks,
         }
         if self.adapters is not None:
             out["adapter_disk_loads"] = self.adapters.num_loads["disk"]

@@ -66,6 +66,7 @@ class Request:
     num_cached_tokens: int = 0
     # Speculative decoding: its n-gram index (made at its first proposal).
     ngram: NgramIndex | None = None
+    spec_acceptance: float = 1.0  # recent share of its proposals kept (speculative.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -26,7 +26,7 @@ from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import NgramIndex, speculates
+from loraplex.engine.speculative import ACCEPTANCE_WEIGHT, NgramIndex, draft_length, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
@@ -46,8 +46,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pinned_loads: dict[int, str] = {}  # slot -> adapter to copy in next step
         self.speculative = speculative
-        self.num_draft_tokens = 0  # speculation: tokens proposed, and of them kept
+        self.num_draft_tokens = 0  # speculation: tokens proposed, and of them kept,
         self.num_accepted_tokens = 0
+        self.num_verified_chunks = 0  # in this many verified chunks
 
     # -- queue -------------------------------------------------------------------------
 
@@ -130,7 +131,10 @@ class Scheduler:
         spec = self.speculative
         if spec is None or req.num_pending or not speculates(req.sampling, req.num_output_tokens):
             return []
-        room = min(spec.num_speculative_tokens, budget - 1, self.config.max_model_len - req.num_tokens)
+        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
+            return []
+        room = min(draft_length(spec.num_speculative_tokens, req.spec_acceptance), budget - 1,
+                   self.config.max_model_len - req.num_tokens)
         if req.sampling.max_tokens is not None:
             room = min(room, req.sampling.max_tokens - req.num_output_tokens - 1)
         if room <= 0:
@@ -326,8 +330,11 @@ class Scheduler:
         req.num_pending -= 1
         self.num_draft_tokens += len(chunk.draft_ids)
         self.num_accepted_tokens += len(tokens) - 1
+        self.num_verified_chunks += 1
         req.metrics.num_draft_tokens += len(chunk.draft_ids)
         req.metrics.num_accepted_tokens += len(tokens) - 1
+        rate = (len(tokens) - 1) / len(chunk.draft_ids)
+        req.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - req.spec_acceptance)
         req.num_computed_tokens = chunk.start_pos + len(tokens)
         for token in tokens:
             if self._append(req, token, None, now):

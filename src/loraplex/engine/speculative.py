@@ -27,6 +27,22 @@ def speculates(sp: SamplingParams, num_output_tokens: int) -> bool:
             and not sp.min_p and num_output_tokens >= sp.min_tokens and (sp.seed is None or sp.greedy))
 
 
+# Per request, an exponential average of the share of its proposals kept (weight of the
+# newest step), and the lengths it earns: proposals rarely kept cost verification work
+# for nothing, so such a request proposes one token (which keeps measuring it).
+ACCEPTANCE_WEIGHT = 0.3
+FULL_LENGTH_ACCEPTANCE = 0.5
+MIN_LENGTH_ACCEPTANCE = 0.2
+
+
+def draft_length(k: int, acceptance: float) -> int:
+    """How many tokens a request whose recent proposals were kept at rate `acceptance`
+    proposes: k, half of k, or one."""
+    if acceptance >= FULL_LENGTH_ACCEPTANCE:
+        return k
+    return max(1, k // 2) if acceptance >= MIN_LENGTH_ACCEPTANCE else 1
+
+
 class NgramIndex:
     """propose_ngram for one growing sequence, in time independent of its length: each
     n-gram (n_min..n_max) maps to the position after its latest occurrence, indexed as

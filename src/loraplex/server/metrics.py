@@ -36,7 +36,9 @@ class _EngineCollector:
                 ("loraplex_spec_decode_draft_tokens", "Tokens proposed by speculative decoding",
                  "spec_draft_tokens"),
                 ("loraplex_spec_decode_accepted_tokens", "Proposed tokens verification kept",
-                 "spec_accepted_tokens")):
+                 "spec_accepted_tokens"),
+                ("loraplex_spec_decode_num_drafts", "Sequence-steps that verified proposals "
+                 "(mean accepted length: 1 + accepted / drafts)", "spec_verified_chunks")):
             yield CounterMetricFamily(name, doc, value=s[key])
         loads = CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into a tier",
                                     labels=["tier"])
