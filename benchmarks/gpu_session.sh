@@ -7,7 +7,7 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -162,6 +162,12 @@ for step in $STEPS; do
           --output-len 128 --cache-dir "$CACHE" --result-json "$OUT/llama-${q:-bf16}.json" 2>&1 \
           | grep -v "it/s" > "$OUT/llama-${q:-bf16}.txt"
         grep -E "^\| llama|GiB" "$OUT/llama-${q:-bf16}.txt" | tail -4
+      done ;;
+    spec-cost)  # RESULTS: "Speculative decoding" (dummy weights: a k = 4 verify step against a decode
+      # step, 16 in flight; a run with proposals that are never kept against speculation off)
+      for m in llama-3.1-8b gpt-oss-20b; do
+        run spec-cost-$m 250 speculative --workload cost --model $m --batch 16 --k 4 \
+          --cache-dir "$CACHE" --out "$OUT/spec-cost-$m.json" | tail -7
       done ;;
     *) echo "unknown step $step" ;;
   esac

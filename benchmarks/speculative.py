@@ -1,0 +1,181 @@
+"""What n-gram speculation buys and what it costs.
+
+--workload quote: real weights (default: the default model, Gemma 3 270M, whose base and
+demo adapters take turns by request). Each prompt shows a passage of a Python source
+file from the standard library and starts a second copy of it, so the output repeats the
+input, as an edit or a quotation does. Greedy; per concurrency (requests launched
+together, --concurrency of them), the median over requests of output tokens/s after the
+first, with speculation and without; the share of proposals kept; tokens per verified
+step.
+
+--workload cost: a bundled config on dummy weights (acceptance means nothing there),
+--batch sequences decoding with --prompt-len tokens of context: the wall time of an
+engine step (synchronous scheduling on both sides) where every sequence verifies k
+proposed tokens that are never kept, against a plain one-token decode step; then whole
+runs of --output-len tokens with the real proposer (adaptive, nothing kept) against
+speculation off (async scheduling, the default).
+
+    python -m benchmarks.speculative --workload quote [--model DIR] [--concurrency 1 2 4 8]
+    python -m benchmarks.speculative --workload cost --model llama-3.1-8b --batch 16 --k 4
+
+Figure: benchmarks/RESULTS.md, "Speculative decoding".
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import harness
+
+# Standard-library modules whose source makes the passages (plain Python text, in every
+# installation).
+PASSAGE_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "string", "glob")
+
+
+def build_parser():
+    p = harness.parser(__doc__)
+    p.add_argument("--workload", choices=["quote", "cost"], default="quote")
+    p.add_argument("--model", default=None,
+                   help="quote: a model directory (default: the default model); cost: a bundled config "
+                        "(default: llama-3.1-8b)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="quote: requests in flight")
+    p.add_argument("--passage-chars", type=int, default=1500, help="quote: characters of source per passage")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="cost: sequences in flight")
+    p.add_argument("--prompt-len", type=int, default=1024, help="cost: context tokens per sequence")
+    p.add_argument("--steps", type=int, default=50, help="cost: engine steps timed per variant")
+    p.add_argument("--dtype", default="auto")
+    return p
+
+
+def passages(chars: int) -> list[str]:
+    import importlib
+
+    out = []
+    for name in PASSAGE_MODULES:
+        text = Path(importlib.import_module(name).__file__).read_text()
+        start = text.find("\ndef ")  # past the module docstring and imports
+        out.append(text[max(start, 0): max(start, 0) + chars])
+    return out
+
+
+def quote_prompt(passage: str) -> str:
+    return ("Here is a Python source file, printed twice.\n\n"
+            f"First copy:\n{passage}\n\nSecond copy:\n{passage[:40]}")
+
+
+def tokens_per_second(out) -> float:
+    n = len(out.outputs[0].token_ids)
+    return (n - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
+
+
+def quote(args) -> dict:
+    import torch
+
+    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.entrypoints.default_model import default_model_dir, demo_adapters
+
+    model = args.model or str(default_model_dir())
+    loras = [None] + ([LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(demo_adapters())]
+                      if args.model is None else [])
+    prompts = [quote_prompt(p) for p in passages(args.passage_chars)]
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    results = {}
+    for label, config in (("plain", None), ("ngram", spec)):
+        llm = LLM(model, dtype=args.dtype, speculative_config=config, max_loras=len(loras),
+                  max_num_seqs=max(args.concurrency), max_model_len=2048)
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        for c in args.concurrency:
+            before = llm.engine.stats()
+            rates = []
+            for first in range(0, len(prompts), c):
+                batch = [prompts[(first + j) % len(prompts)] for j in range(c)]
+                adapters = [loras[(first + j) % len(loras)] for j in range(c)]
+                outs = llm.generate(batch, sp, adapters, use_tqdm=False)
+                rates += [tokens_per_second(o) for o in outs]
+            after = llm.engine.stats()
+            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            verified = after["spec_verified_chunks"] - before["spec_verified_chunks"]
+            results[f"{label} c{c}"] = {
+                "tokens_per_s_per_request": statistics.median(rates),
+                "acceptance_rate": kept / drafted if drafted else None,
+                "tokens_per_verified_step": 1 + kept / verified if verified else None}
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"{'in flight':>9s} {'plain tok/s':>12s} {'ngram tok/s':>12s} {'speedup':>8s} {'kept':>6s} "
+          f"{'per step':>9s}")
+    for c in args.concurrency:
+        p, s = results[f"plain c{c}"], results[f"ngram c{c}"]
+        print(f"{c:9d} {p['tokens_per_s_per_request']:12.1f} {s['tokens_per_s_per_request']:12.1f} "
+              f"{s['tokens_per_s_per_request'] / p['tokens_per_s_per_request']:8.2f} "
+              f"{s['acceptance_rate'] or 0:6.1%} {s['tokens_per_verified_step'] or 1:9.2f}")
+    return results
+
+
+def cost(args) -> dict:
+    from loraplex import SamplingParams
+
+    model = args.model or "llama-3.1-8b"
+    spec = {"method": "ngram", "num_speculative_tokens": args.k}
+    max_len = args.prompt_len + args.output_len + (args.steps + 10) * (args.k + 1) + 64
+    llm, _ = harness.dummy_llm(model, args.cache_dir, max_loras=1, max_num_seqs=args.batch,
+                               max_model_len=max_len, speculative_config=spec)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+
+    def step_ms(propose) -> float:
+        """Mean wall time of an engine step with `propose` as the scheduler's proposer."""
+        scheduler._propose = propose
+        harness.start_decode(engine, f"cost-{time.monotonic()}", args.batch, args.prompt_len, [],
+                             (args.steps + 10) * (args.k + 1))
+        engine.runner.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        engine.runner.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        harness.abort_all(engine, drain=True)
+        return ms
+
+    vocab = engine.config.model.vocab_size
+    never_kept = lambda req, budget: [vocab - 1 - i for i in range(args.k)]  # noqa: E731
+    plain_propose = type(scheduler)._propose.__get__(scheduler)
+    results = {"decode_step_ms": step_ms(lambda req, budget: []),
+               f"verify_k{args.k}_step_ms": step_ms(never_kept)}
+    results["verify_over_decode"] = results[f"verify_k{args.k}_step_ms"] / results["decode_step_ms"]
+    scheduler._propose = plain_propose
+
+    def run_s(speculative) -> float:
+        scheduler.speculative = speculative
+        engine.async_scheduling = speculative is None
+        prompts = [[1000 + i] * args.prompt_len for i in range(args.batch)]
+        sp = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    config = scheduler.speculative
+    results["run_s_speculation_off"] = run_s(None)
+    results["run_s_speculation_on"] = run_s(config)
+    results["on_over_off"] = results["run_s_speculation_on"] / results["run_s_speculation_off"]
+    for key, value in results.items():
+        print(f"{key:28s} {value:10.3f}")
+    return results
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    results = quote(args) if args.workload == "quote" else cost(args)
+    harness.write_json(args.out, results, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
