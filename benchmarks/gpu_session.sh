@@ -165,10 +165,10 @@ for step in $STEPS; do
       done ;;
     spec-cost)  # RESULTS: "Speculative decoding" (dummy weights: a k = 4 verify step against a decode
       # step, 16 in flight; a run with proposals that are never kept against speculation off)
-      for m in llama-3.1-8b gpt-oss-20b; do
-        run spec-cost-$m 250 speculative --workload cost --model $m --batch 16 --k 4 \
-          --cache-dir "$CACHE" --out "$OUT/spec-cost-$m.json" | tail -7
-      done ;;
+      run spec-cost-llama 250 speculative --workload cost --model llama-3.1-8b --batch 16 --k 4 \
+        --cache-dir "$CACHE" --out "$OUT/spec-cost-llama.json" | tail -7
+      run spec-cost-gpt-oss 250 speculative --workload cost --model gpt-oss-20b --batch 16 --k 4 \
+        --cache-dir "$CACHE" --out "$OUT/spec-cost-gpt-oss.json" | tail -7 ;;
     *) echo "unknown step $step" ;;
   esac
 done
