@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraplex import LoRARequest, SamplingParams
+
 # The decoder's linear weights a quantized checkpoint stores quantized (routers stay as they are).
 LINEAR = re.compile(r"\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj"
                     r"|mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
@@ -77,3 +79,47 @@ def write_dequantized(src: Path, out: Path, round_trip) -> Path:
 
     _rewrite(src, out / "unused", out / "dequantized", {}, convert)
     return out / "dequantized"
+
+
+# -- serving a checkpoint against its dequantized twin ------------------------------------
+
+PROMPT_SCORING = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+
+
+def prompt_logprobs_of(out, prompt) -> torch.Tensor:
+    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+
+def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False) -> None:
+    """Each prompt's logprobs against transformers (+ PEFT) on the dequantized twin,
+    served in one batch with base rows beside the adapter's (MoE: test_moe's criterion,
+    as a bf16 router near a tie may pick another expert)."""
+    from conftest import HFOracle, tolerance
+    from test_moe import _assert_close
+
+    lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
+    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
+    outs = llm.generate(prompts, PROMPT_SCORING, loras, use_tqdm=False)
+    oracles = {None: HFOracle(oracle_dir)}
+    if lora is not None:
+        oracles[lora] = HFOracle(oracle_dir, adapter_dir)
+    for p, out, adapter in zip(prompts, outs, loras):
+        want = oracles[adapter].prompt_logprobs(p)
+        if moe:
+            _assert_close(prompt_logprobs_of(out, p), want)
+        else:
+            torch.testing.assert_close(prompt_logprobs_of(out, p), want, atol=tolerance(), rtol=0)
+
+
+def write_tiny_qwen3_moe(out_dir: Path) -> Path:
+    """A tiny Qwen3-MoE (8 experts, top-2, 2 layers) with random weights."""
+    import transformers
+
+    from loraplex.bench.synthetic import write_random_model
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
+    return write_random_model(out_dir, cfg, 0, None)

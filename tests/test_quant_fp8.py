@@ -18,17 +18,15 @@ import torch
 from conftest import (
     ADAPTERS,
     DEVICE,
-    HFOracle,
     build_tiny_model,
     make_llm,
     make_peft_adapter,
     random_prompts,
-    tolerance,
 )
-from quantized import _rewrite
+from quantized import _rewrite, check_against_twin, write_tiny_qwen3_moe
 from safetensors.torch import load_file, save_file
 
-from loraplex import LoRARequest, SamplingParams, ops
+from loraplex import ops
 from loraplex.errors import ModelLoadError, UnsupportedModel
 from loraplex.ops.formats import Fp8Weight
 from loraplex.ops.reference import quant as reference
@@ -36,9 +34,6 @@ from loraplex.ops.reference.quant import dequantize, quantize_fp8
 
 pytest.importorskip("triton")
 from loraplex.ops.triton import fp8_configs, fp8_gemm  # noqa: E402
-
-SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-
 
 # -- the kernel ----------------------------------------------------------------------------
 
@@ -208,29 +203,6 @@ def write_ct_fp8(src: Path, out: Path, strategy: str, scale_dtype=torch.float32)
     return quantized_dir, oracle_dir
 
 
-def _prompt_lps(out, prompt) -> torch.Tensor:
-    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-
-
-def _check(llm, oracle_dir, prompts, adapter_dir=None, moe=False):
-    """Each prompt against the oracle, base rows beside the adapter's in one batch (MoE:
-    test_moe's criterion, as a bf16 router near a tie may pick another expert)."""
-    from test_moe import _assert_close
-
-    lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
-    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
-    outs = llm.generate(prompts, SP, loras, use_tqdm=False)
-    oracles = {None: HFOracle(oracle_dir)}
-    if lora is not None:
-        oracles[lora] = HFOracle(oracle_dir, adapter_dir)
-    for p, out, adapter in zip(prompts, outs, loras):
-        want = oracles[adapter].prompt_logprobs(p)
-        if moe:
-            _assert_close(_prompt_lps(out, p), want)
-        else:
-            torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
-
-
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("dense") / "qwen3", "qwen3")
@@ -258,7 +230,7 @@ def test_compressed_tensors_fp8_serves_its_dequantized_weights(dense_dir, tmp_pa
     adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=3, **ADAPTERS["all7-r8"])
     llm = make_llm(quantized)
     _assert_loaded_exactly(llm, oracle)
-    _check(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
+    check_against_twin(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
@@ -275,23 +247,15 @@ def test_compressed_tensors_fp8_through_the_triton_kernel(dense_dir, tmp_path, s
     monkeypatch.setattr(triton_ops, "fp8_linear", counted)
     quantized, oracle = write_ct_fp8(dense_dir, tmp_path, strategy)
     adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=4, **ADAPTERS["qv-r4-rslora"])
-    _check(make_llm(quantized, ops_backend="triton"), oracle, random_prompts(3, (5, 24), seed=6), adapter)
+    check_against_twin(make_llm(quantized, ops_backend="triton"), oracle, random_prompts(3, (5, 24), seed=6),
+                       adapter)
     assert forms == {True, False}  # decode steps in the GEMV form, prefill in tiles
 
 
 def test_compressed_tensors_fp8_moe_checkpoint(tmp_path):
     """Qwen3-MoE as llm-compressor publishes it: per-expert modules in FP8, the router
     (ignored, re:.*mlp.gate$) in its dtype."""
-    import transformers
-
-    from loraplex.bench.synthetic import write_random_model
-
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
-    src = write_random_model(tmp_path / "moe", cfg, 0, None)
+    src = write_tiny_qwen3_moe(tmp_path / "moe")
     quantized, oracle = write_ct_fp8(src, tmp_path, "channel")
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*mlp.gate$"]
@@ -299,7 +263,7 @@ def test_compressed_tensors_fp8_moe_checkpoint(tmp_path):
     llm = make_llm(quantized)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
-    _check(llm, oracle, random_prompts(3, (5, 30), seed=4), moe=True)
+    check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4), moe=True)
 
 
 @pytest.mark.parametrize("strategy,damage", [

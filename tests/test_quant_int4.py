@@ -15,17 +15,14 @@ from conftest import (
     ADAPTERS,
     DEVICE,
     DTYPE,
-    HFOracle,
     build_tiny_model,
     make_llm,
     make_peft_adapter,
     random_prompts,
-    tolerance,
 )
-from quantized import _rewrite
+from quantized import _rewrite, check_against_twin
 from safetensors.torch import load_file, save_file
 
-from loraplex import LoRARequest, SamplingParams
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.models.quant_int4 import ingest_int4
@@ -33,7 +30,6 @@ from loraplex.ops.formats import Int4Weight
 from loraplex.ops.reference.quant import dequantize, pack_nibbles, unpack_nibbles
 
 GROUP = 32  # divides the tiny models' K (64, 96, 128)
-SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
 
 # -- the published packings, following the publishers' own algorithms ---------------------
 # AutoAWQ awq/modules/linear/gemm.py (WQLinear_GEMM.from_linear); AutoGPTQ
@@ -197,23 +193,6 @@ def test_awq_order_and_gptq_offsets_on_known_words():
 
 # -- checkpoints of the tiny models serve their dequantized weights -----------------------
 
-def _prompt_lps(out, prompt) -> torch.Tensor:
-    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-
-
-def _check(llm, oracle_dir, prompts, adapter_dir=None):
-    """Each prompt against the oracle, adapter rows served in one batch beside base rows."""
-    lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
-    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
-    outs = llm.generate(prompts, SP, loras, use_tqdm=False)
-    oracles = {None: HFOracle(oracle_dir)}
-    if lora is not None:
-        oracles[lora] = HFOracle(oracle_dir, adapter_dir)
-    for p, out, adapter in zip(prompts, outs, loras):
-        want = oracles[adapter].prompt_logprobs(p)
-        torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
-
-
 @pytest.mark.parametrize("fmt, arch", [("awq", "llama"), ("gptq_sym", "qwen3"), ("gptq_asym", "mistral"),
                                        ("gptq_v2", "qwen2")])
 def test_int4_checkpoint_serves_its_dequantized_weights(tmp_path, fmt, arch):
@@ -225,7 +204,7 @@ def test_int4_checkpoint_serves_its_dequantized_weights(tmp_path, fmt, arch):
     for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
               layer.mlp.down_proj.weight):
         assert isinstance(w, Int4Weight) and w.group == GROUP
-    _check(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
+    check_against_twin(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
 
 
 @pytest.mark.skipif(DTYPE != "float32", reason="the interpreter's run of the whole model, once")
@@ -234,7 +213,8 @@ def test_int4_checkpoint_through_the_triton_kernel(tmp_path):
     src = build_tiny_model(tmp_path / "llama", "llama")
     quantized, oracle = write_int4(src, tmp_path, "gptq_asym")
     adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=3, **ADAPTERS["qv-r4-rslora"])
-    _check(make_llm(quantized, ops_backend="triton"), oracle, random_prompts(3, (5, 24), seed=6), adapter)
+    check_against_twin(make_llm(quantized, ops_backend="triton"), oracle, random_prompts(3, (5, 24), seed=6),
+                       adapter)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEVICE, DTYPE, make_llm, random_prompts
-from quantized import write_fp8_block
+from quantized import check_against_twin, write_fp8_block, write_tiny_qwen3_moe
 
 from loraplex import ops
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight, QuantizedWeight
@@ -325,22 +325,12 @@ def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
 def test_fp8_block_moe_checkpoint_on_triton(tmp_path, monkeypatch):
     """Qwen3-MoE in Qwen3-30B-A3B-FP8's per-expert layout (`mlp.experts.E.gate_proj.weight`
     + `.weight_scale_inv`), served by the FP8 expert kernels (interpreted on CPU)."""
-    import transformers
-    from test_quantized import _check
-
-    from loraplex.bench.synthetic import write_random_model
-
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
-    src = write_random_model(tmp_path / "moe", cfg, 0, None)
+    src = write_tiny_qwen3_moe(tmp_path / "moe")
     quantized, oracle = write_fp8_block(src, tmp_path, (16, 32))
     # Counted from before the engine starts: on a GPU, steps replay CUDA graphs captured then.
     calls = count_quantized_kernels(monkeypatch)
     llm = make_llm(quantized, ops_backend="triton")
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and experts.gate_up_proj.block_k == 32
-    _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
+    check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4))
     assert calls["gemm"] > 0 and calls["gemv"] > 0, calls  # prefill; decode (3 tokens x 2 <= 8 experts)

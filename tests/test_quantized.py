@@ -7,42 +7,26 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from conftest import (
     ADAPTERS,
-    HFOracle,
     build_tiny_model,
     make_llm,
     make_peft_adapter,
     random_prompts,
-    tolerance,
 )
-from quantized import write_dequantized, write_fp8_block
+from quantized import (
+    PROMPT_SCORING,
+    check_against_twin,
+    write_dequantized,
+    write_fp8_block,
+    write_tiny_qwen3_moe,
+)
 from safetensors.torch import load_file, save_file
 
-from loraplex import LoRARequest, SamplingParams
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight
 
-SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
-
-
-def _prompt_lps(out, prompt) -> torch.Tensor:
-    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
-
-
-def _check(llm, oracle_dir, prompts, adapter_dir=None):
-    """Each prompt alone against the oracle, served in one batch with base rows beside the
-    adapter's (and the other way round)."""
-    lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
-    loras = [lora if i % 2 == 0 else None for i in range(len(prompts))]
-    outs = llm.generate(prompts, SP, loras, use_tqdm=False)
-    oracles = {None: HFOracle(oracle_dir)}
-    if lora is not None:
-        oracles[lora] = HFOracle(oracle_dir, adapter_dir)
-    for p, out, adapter in zip(prompts, outs, loras):
-        want = oracles[adapter].prompt_logprobs(p)
-        torch.testing.assert_close(_prompt_lps(out, p), want, atol=tolerance(), rtol=0)
+SP = PROMPT_SCORING
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +42,17 @@ def test_fp8_block_checkpoint_serves_its_dequantized_weights(dense_dir, tmp_path
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.weight, Fp8Weight)
     assert isinstance(layer.mlp.down_proj.weight, Fp8Weight)
-    _check(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
+    check_against_twin(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter)
 
 
 def test_fp8_block_moe_checkpoint(tmp_path):
     """Qwen3-MoE in the per-expert FP8 layout of Qwen3-30B-A3B-FP8 (router unquantized)."""
-    import transformers
-
-    from loraplex.bench.synthetic import write_random_model
-
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
-    src = write_random_model(tmp_path / "moe", cfg, 0, None)
+    src = write_tiny_qwen3_moe(tmp_path / "moe")
     quantized, oracle = write_fp8_block(src, tmp_path, (16, 32))
     llm = make_llm(quantized)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
-    _check(llm, oracle, random_prompts(3, (5, 30), seed=4))
+    check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4))
 
 
 @pytest.mark.parametrize("damage", ["missing scale", "nan scale", "zero scale", "wrong block shape",
@@ -133,7 +108,7 @@ def test_fp8_at_load_time_and_random_weights_in_each_format(dense_dir, tmp_path)
     fp8 = make_llm(dense_dir, quantization="fp8")
     assert isinstance(fp8.engine.runner.model.model.layers[1].mlp.gate_up_proj.weight, Fp8Weight)
     oracle = write_dequantized(dense_dir, tmp_path, lambda w: dequantize(quantize_fp8(w, 128)))
-    _check(fp8, oracle, prompts)
+    check_against_twin(fp8, oracle, prompts)
     for method, cls in [("fp8", Fp8Weight), ("gptq", Int4Weight), ("awq", Int4Weight)]:
         llm = make_llm(dense_dir, load_format="dummy", quantization=method)
         w = llm.engine.runner.model.model.layers[0].self_attn.o_proj.weight

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from conftest import ARCHS, DTYPE, assert_same_greedy_tokens, make_llm, random_prompts
+from quantized import write_tiny_qwen3_moe
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.config import SpeculativeConfig
@@ -220,16 +221,7 @@ def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs):
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     """Tiny Qwen3-MoE: 8 experts, top-2."""
-    import transformers
-
-    from loraplex.bench.synthetic import write_random_model
-
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=384, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.08)
-    return write_random_model(tmp_path_factory.mktemp("spec-moe") / "qwen3moe", cfg, 0, None)
+    return write_tiny_qwen3_moe(tmp_path_factory.mktemp("spec-moe") / "qwen3moe")
 
 
 def test_moe_greedy_tokens_are_those_of_plain_decoding(moe_dir):
