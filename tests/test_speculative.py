@@ -74,18 +74,20 @@ def test_ngram_prefers_the_longest_suffix_then_the_latest_occurrence():
 
 def test_the_incremental_index_proposes_what_the_search_does():
     """NgramIndex against propose_ngram on random sequences over a small alphabet (many
-    repeats), grown one to four tokens at a time, with every n range and k."""
+    repeats): a prompt, then output grown one to four tokens at a time, with every n
+    range and k."""
     gen = torch.Generator().manual_seed(5)
     for trial in range(60):
         n_min = 1 + trial % 3
         n_max = n_min + trial % 4
         k = 1 + trial % 5
         index = NgramIndex(n_min, n_max)
-        tokens = torch.randint(0, 2 + trial % 6, (3,), generator=gen).tolist()
-        while len(tokens) < 80:
-            want = propose_ngram(tokens, k, n_min, n_max)
-            assert index.propose(tokens, k) == want, (tokens, n_min, n_max, k)
-            tokens += torch.randint(0, 2 + trial % 6, (1 + len(tokens) % 4,), generator=gen).tolist()
+        prompt = torch.randint(0, 2 + trial % 6, (3 + trial % 7,), generator=gen).tolist()
+        output = []
+        while len(output) < 80:
+            want = propose_ngram(prompt + output, k, n_min, n_max)
+            assert index.propose(prompt, output, k) == want, (prompt, output, n_min, n_max, k)
+            output += torch.randint(0, 2 + trial % 6, (1 + len(output) % 4,), generator=gen).tolist()
 
 
 # -- verification ----------------------------------------------------------------------------

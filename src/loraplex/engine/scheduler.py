@@ -141,7 +141,7 @@ class Scheduler:
             return []
         if req.ngram is None:
             req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        drafts = req.ngram.propose(req.known_tokens(), room)
+        drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         return drafts

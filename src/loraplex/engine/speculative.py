@@ -51,11 +51,17 @@ class NgramIndex:
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []  # the sequence so far (copied in as it grows)
         self.after: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest occurrence
         self.num_indexed = 1  # positions p < num_indexed have their n-grams ending at p - 1 indexed
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """propose_ngram(tokens, k, n_min, n_max), for the tokens seen so far plus new ones."""
+    def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
+        """propose_ngram(prompt + output, k, n_min, n_max), copying and indexing only the
+        tokens that arrived since the last call."""
+        tokens = self.tokens
+        if len(tokens) < len(prompt):
+            tokens.extend(prompt[len(tokens):])
+        tokens.extend(output[len(tokens) - len(prompt):])
         length = len(tokens)
         # An n-gram tokens[p - n : p] is followed by tokens[p]: positions p <= length - 1
         # (the suffix's own next position, length, is not known).
