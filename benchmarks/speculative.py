@@ -13,7 +13,7 @@ step.
 engine step (synchronous scheduling on both sides) where every sequence verifies k
 proposed tokens that are never kept, against a plain one-token decode step; then whole
 runs of --output-len tokens with the real proposer (adaptive, nothing kept) against
-speculation off (async scheduling, the default).
+speculation off (both with async scheduling, the default).
 
     python -m benchmarks.speculative --workload quote [--model DIR] [--concurrency 1 2 4 8]
     python -m benchmarks.speculative --workload cost --model llama-3.1-8b --batch 16 --k 4
@@ -133,6 +133,7 @@ def cost(args) -> dict:
     def step_ms(propose) -> float:
         """Mean wall time of an engine step with `propose` as the scheduler's proposer."""
         scheduler._propose = propose
+        engine.async_scheduling = False
         harness.start_decode(engine, f"cost-{time.monotonic()}", args.batch, args.prompt_len, [],
                              (args.steps + 10) * (args.k + 1))
         engine.runner.synchronize()
@@ -145,16 +146,16 @@ def cost(args) -> dict:
         return ms
 
     vocab = engine.config.model.vocab_size
-    never_kept = lambda req, budget: [vocab - 1 - i for i in range(args.k)]  # noqa: E731
+    never_kept = lambda req, budget, probe: [vocab - 1 - i for i in range(args.k)]  # noqa: E731
     plain_propose = type(scheduler)._propose.__get__(scheduler)
-    results = {"decode_step_ms": step_ms(lambda req, budget: []),
+    results = {"decode_step_ms": step_ms(lambda req, budget, probe: []),
                f"verify_k{args.k}_step_ms": step_ms(never_kept)}
     results["verify_over_decode"] = results[f"verify_k{args.k}_step_ms"] / results["decode_step_ms"]
     scheduler._propose = plain_propose
 
     def run_s(speculative) -> float:
         scheduler.speculative = speculative
-        engine.async_scheduling = speculative is None
+        engine.async_scheduling = True
         prompts = [[1000 + i] * args.prompt_len for i in range(args.batch)]
         sp = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts, sp, use_tqdm=False)  # warm-up

@@ -13,7 +13,7 @@ from quantized import write_tiny_qwen3_moe
 
 from loraplex import LoRARequest, SamplingParams
 from loraplex.config import SpeculativeConfig
-from loraplex.engine.speculative import NgramIndex, draft_length, propose_ngram
+from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
 from loraplex.runner.rejection import rejection_sample
 
@@ -46,7 +46,7 @@ def test_config_refuses_what_it_cannot_honour(spec, error):
 def test_proposal_length_follows_acceptance():
     assert draft_length(4, 1.0) == 4 and draft_length(4, 0.5) == 4
     assert draft_length(4, 0.3) == 2 and draft_length(1, 0.3) == 1
-    assert draft_length(4, 0.1) == 1  # still one, to keep measuring
+    assert draft_length(4, 0.1) == 0 and draft_length(4, 0.1, probe=True) == 1  # probes keep measuring
     parsed = SpeculativeConfig.parse({"num_speculative_tokens": 2, "disable_by_batch_size": 8})
     assert parsed.disable_by_batch_size == 8
 
@@ -329,3 +329,100 @@ def test_the_engine_keeps_the_sampled_distribution(tmp_path):
     for pos in range(out_len):
         plain, spec = (_frequencies(samples[k][:, pos], 12) for k in ("plain", "ngram"))
         assert (plain - spec).abs().max() < tolerance, (pos, plain, spec)
+
+
+# -- adaptivity ------------------------------------------------------------------------------
+
+
+class _FixedProposals:
+    """An n-gram index that always proposes `room` tokens of 1."""
+
+    def propose(self, prompt, output, room):
+        return [1] * room
+
+
+def _spec_scheduler(k=4, requests=1):
+    from loraplex.adapters.slot_table import SlotTable
+    from loraplex.config import SchedulerConfig
+    from loraplex.engine.block_manager import BlockManager
+    from loraplex.engine.request import Request
+    from loraplex.engine.scheduler import Scheduler
+
+    cfg = SchedulerConfig(max_num_seqs=requests, max_num_batched_tokens=256, max_model_len=1024)
+    sched = Scheduler(cfg, BlockManager(512, 4), SlotTable(1),
+                      SpeculativeConfig.parse({"num_speculative_tokens": k}))
+    reqs = []
+    for i in range(requests):
+        req = Request(request_id=f"r{i}", prompt_token_ids=[3, 4, 5, 6],
+                      sampling=SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        req.ngram = _FixedProposals()
+        sched.add(req)
+        reqs.append(req)
+    return sched, reqs
+
+
+def _step(sched, keep: bool) -> list[int]:
+    """One plan and its result, proposals all kept (keep) or none; the drafts proposed."""
+    from loraplex.types import StepResult
+
+    plan = sched.schedule()
+    n = len(plan.chunks)
+    result = StepResult([None if c.draft_ids else 2 for c in plan.chunks], [None] * n, [None] * n)
+    for i, c in enumerate(plan.chunks):
+        if c.draft_ids:
+            result.speculated[i] = (list(c.draft_ids) if keep else []) + [2]
+    sched.update(plan, result)
+    return [len(c.draft_ids or ()) for c in plan.chunks]
+
+
+def test_proposals_never_kept_stop_and_probes_bring_them_back():
+    """A request whose proposals are never kept proposes k, then k / 2, then nothing
+    but one token on every PROBE_PERIOD-th plan (wants_proposals says which, so the
+    engine keeps its overlap between); a kept probe restores proposals."""
+    sched, (req,) = _spec_scheduler()
+    _step(sched, keep=True)  # the prompt
+    drafts, wanted = [], []
+    for _ in range(2 * PROBE_PERIOD + 2):
+        wanted.append(sched.wants_proposals())
+        drafts.append(_step(sched, keep=False)[0])
+    first = drafts.index(0)
+    assert drafts[:first] == [4, 2][:first] and first <= 2, drafts
+    probes = [i for i, d in enumerate(drafts) if i >= first and d]
+    assert all(drafts[i] == 1 and (i + 1) % PROBE_PERIOD == 0 for i in probes) and len(probes) == 2, drafts
+    assert wanted == [d > 0 for d in drafts]
+    while not sched.wants_proposals():
+        _step(sched, keep=False)
+    assert _step(sched, keep=True) == [1]  # the probe is kept
+    assert _step(sched, keep=True)[0] >= 2
+
+
+def test_a_step_proposes_at_most_its_draft_room():
+    """Forty decoding requests at k = 4 propose DRAFT_TOKENS_PER_STEP tokens a step,
+    not 160."""
+    from loraplex.engine.speculative import DRAFT_TOKENS_PER_STEP
+
+    sched, reqs = _spec_scheduler(k=4, requests=40)
+    _step(sched, keep=True)
+    assert sum(_step(sched, keep=True)) == DRAFT_TOKENS_PER_STEP
+
+
+def test_requests_that_opt_out_decode_plainly_and_the_engine_overlaps_them(model_dirs):
+    """speculate=False: the request proposes nothing, its tokens are plain decoding's,
+    and with no request proposing the engine plans each step while the one before runs."""
+    prompts = _prompts(4)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculate=False)
+    want = make_llm(model_dirs["qwen3"]).generate(prompts, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=5), use_tqdm=False)
+    llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{i}", p, sp)
+    got, overlapped = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out
+        overlapped += engine._in_flight is not None
+    assert engine.stats()["spec_draft_tokens"] == 0 and overlapped >= 10
+    for i, w in enumerate(want):
+        assert_same_greedy_tokens(got[f"q{i}"].outputs[0], w.outputs[0])

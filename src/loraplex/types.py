@@ -81,6 +81,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     structured_outputs: StructuredOutputs | None = None
+    # Speculative decoding (when the engine runs it): False keeps this request to a
+    # token a step, e.g. to keep its steps' timing even.
+    speculate: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -286,6 +289,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft_ids) for c in self.chunks if c.draft_ids)
 
 
 @dataclass

@@ -53,8 +53,9 @@ class LLMEngine:
         self.config = config
         # Stop strings of the model itself (generation_config.json), added to every request.
         self.default_stop = default_stop
-        # Speculation proposes from the tokens of the step just run: it plans after them.
-        self.async_scheduling = async_scheduling and config.speculative is None
+        # Plan each step while the one before runs, except where speculation proposes
+        # (it extends the tokens that step samples: Scheduler.wants_proposals).
+        self.async_scheduling = async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
@@ -333,6 +334,9 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._poll_loads()
+        if self._in_flight is not None and self.scheduler.wants_proposals():
+            outputs += self._finish_step(self._in_flight)
+            self._in_flight = None
         plan = self.scheduler.schedule()
         loads = {slot: self.adapters.get(key) for slot, key in plan.lora_loads.items()}
         launched = self.runner.launch(plan, loads, timed=self.step_timings is not None)
@@ -341,7 +345,7 @@ class LLMEngine:
             self.adapters.wait(0.005)  # only loads are pending: do not spin
         outputs += self._finish_step(self._in_flight) if self._in_flight else []
         self._in_flight = None
-        if self.async_scheduling and plan.chunks:
+        if self.async_scheduling and plan.chunks and not plan.num_draft_tokens:
             self._in_flight = launched
         else:
             outputs += self._finish_step(launched)

@@ -26,7 +26,14 @@ from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import ACCEPTANCE_WEIGHT, NgramIndex, draft_length, speculates
+from loraplex.engine.speculative import (
+    ACCEPTANCE_WEIGHT,
+    DRAFT_TOKENS_PER_STEP,
+    PROBE_PERIOD,
+    NgramIndex,
+    draft_length,
+    speculates,
+)
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
@@ -49,6 +56,8 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculation: tokens proposed, and of them kept,
         self.num_accepted_tokens = 0
         self.num_verified_chunks = 0  # in this many verified chunks
+        self.num_plans = 0  # plans made: every PROBE_PERIOD-th probes requests that stopped proposing
+        self._draft_room = 0  # tokens the plan being made may still propose
 
     # -- queue -------------------------------------------------------------------------
 
@@ -93,6 +102,9 @@ class Scheduler:
         now = time.monotonic()
 
         preempted = False
+        probe = self.num_plans % PROBE_PERIOD == 0
+        self.num_plans += 1
+        self._draft_room = DRAFT_TOKENS_PER_STEP
         max_len = self.config.max_model_len
         # Decodes (one token left) first: they always fit the budget (>= max_num_seqs).
         candidates = [r for r in self.running if not r.will_finish(max_len)]
@@ -104,7 +116,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._propose(req, budget) if n == 1 else []
+            drafts = self._propose(req, budget, probe) if n == 1 else []
             n += len(drafts)
             while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
                 victim = next(r for r in reversed(self.running) if r.request_id not in planned)
@@ -124,17 +136,35 @@ class Scheduler:
             budget = self._admit(plan, budget, now)
         return plan
 
-    def _propose(self, req: Request, budget: int) -> list[int]:
-        """Speculation: tokens to verify after a decoding request's last one, within the
-        step's budget, its max_tokens and max_model_len, and pages free now (a proposal
-        never preempts)."""
+    def wants_proposals(self) -> bool:
+        """Whether the next plan may propose tokens: a running request speculates and has
+        earned a proposal, or is due a probe. The engine then lets the step in flight
+        finish before planning (a proposal extends the tokens that step samples), and
+        otherwise plans while it runs."""
+        spec = self.speculative
+        if spec is None or not self._batch_speculates():
+            return False
+        probe = self.num_plans % PROBE_PERIOD == 0
+        return any(draft_length(spec.num_speculative_tokens, r.spec_acceptance, probe)
+                   and r.num_tokens - r.num_computed_tokens == 1  # decoding
+                   and speculates(r.sampling, r.num_output_tokens) for r in self.running)
+
+    def _batch_speculates(self) -> bool:
+        limit = self.speculative.disable_by_batch_size
+        return limit is None or len(self.running) <= limit
+
+    def _propose(self, req: Request, budget: int, probe: bool) -> list[int]:
+        """Speculation: tokens to verify after a decoding request's last one, as many as
+        its acceptance earns (speculative.py), within the step's budget and draft room,
+        its max_tokens and max_model_len, and pages free now (a proposal never
+        preempts)."""
         spec = self.speculative
         if spec is None or req.num_pending or not speculates(req.sampling, req.num_output_tokens):
             return []
-        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
+        if not self._batch_speculates():
             return []
-        room = min(draft_length(spec.num_speculative_tokens, req.spec_acceptance), budget - 1,
-                   self.config.max_model_len - req.num_tokens)
+        room = min(draft_length(spec.num_speculative_tokens, req.spec_acceptance, probe), budget - 1,
+                   self._draft_room, self.config.max_model_len - req.num_tokens)
         if req.sampling.max_tokens is not None:
             room = min(room, req.sampling.max_tokens - req.num_output_tokens - 1)
         if room <= 0:
@@ -142,8 +172,11 @@ class Scheduler:
         if req.ngram is None:
             req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
+        if not drafts:  # nothing to propose counts as nothing kept
+            req.spec_acceptance -= ACCEPTANCE_WEIGHT * req.spec_acceptance
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
+        self._draft_room -= len(drafts)
         return drafts
 
     def _admit(self, plan: StepPlan, budget: int, now: float) -> int:

@@ -111,6 +111,8 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # loraplex's: False keeps the request out of speculative decoding (--speculative-config).
+    speculate: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -189,6 +191,7 @@ class _SamplingFields(_Body):
             logit_bias=bias,
             min_p=self.min_p,
             structured_outputs=self.structured(),
+            speculate=self.speculate,
         )
 
 

@@ -17,10 +17,12 @@ activations are not quantized, so no FP8 MMA either), float32 accumulation.
   Triton 3.6, gpt-oss's decode config), which the step is bound by (benchmarks/
   RESULTS.md, "Quantized bases"); the values are dequantize's exactly (e2m1 x 2^(s -
   127) is exact in bf16; NaN scales are refused at load, so fast_math's skipped NaN
-  handling changes nothing). Other activation dtypes decode by hand (quant_tiles.py):
-  the low nibbles are W at the even k, the high ones at the odd k, multiplied by A's
-  even and odd columns (A's tile loaded whole, split in registers) in two dots of
-  BLOCK_K / 2 (so BLOCK_K >= 32: tl.dot needs K >= 16).
+  handling changes nothing), except in blocks of the smallest scale, 2^-127, which
+  fast_math builds as 0 (values below 2e-38; quantizers give it to all-zero blocks).
+  Other activation dtypes decode by hand (quant_tiles.py): the low nibbles are W at
+  the even k, the high ones at the odd k, multiplied by A's even and odd columns (A's
+  tile loaded whole, split in registers) in two dots of BLOCK_K / 2 (so BLOCK_K >= 32:
+  tl.dot needs K >= 16).
 - FP8 (Fp8Weight: data [E, N, K] e4m3; scale [E, N, ceil(K / block_k)] float32): one
   scale per column in a step when the step lies in one scale block (block_k = 128 and
   BLOCK_K <= 128: Qwen3-30B-A3B-FP8), else one per value.
