@@ -239,9 +239,9 @@ def test_moe_greedy_tokens_are_those_of_plain_decoding(moe_dir):
 
 
 def test_server_speculates_and_reports_it(chat_model):
-    """`loraplex serve --speculative-config`: completions (streamed or not) equal the
-    offline engine's plain greedy text; the receipt counts the proposed and kept tokens,
-    /metrics the totals."""
+    """`loraplex serve --speculative-config`: completions (streamed or not, speculating or
+    opted out) equal the offline engine's plain greedy text; the receipt counts the
+    proposed and kept tokens, /metrics the totals."""
     import httpx
     from serving import client, running, serve_args
 
@@ -260,6 +260,11 @@ def test_server_speculates_and_reports_it(chat_model):
             model=str(chat_model), prompt=prompt, max_tokens=20, temperature=0, stream=True,
             extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        plain = client(server).completions.create(model=str(chat_model), prompt=prompt, max_tokens=20,
+                                                  temperature=0, extra_body={"ignore_eos": True,
+                                                                             "speculate": False})
+        assert plain.choices[0].text == want.text
+        assert plain.model_extra["loraplex"]["speculated_tokens"] == 0
         text = httpx.get(server.url + "/metrics").text
         assert "loraplex_spec_decode_draft_tokens_total" in text
         assert "loraplex_spec_decode_accepted_tokens_total" in text
