@@ -36,9 +36,9 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
         ALPHA=const(1.702), MUL_ROUTED_WEIGHT=const(not fuse), UPCAST=const(False))
 
 
-def _gemm_args(fmt: str) -> dict:
-    """The grouped GEMM's own: bf16 MXFP4 experts multiply through tl.dot_scaled."""
-    return dict(SCALED_DOT=const(fmt == "mxfp4"))
+def _gemm_args(fmt: str, path: str = "mx") -> dict:
+    """The grouped GEMM's own: how bf16 MXFP4 experts become operands (mxfp4_path)."""
+    return dict(MXFP4_PATH=const(path if fmt == "mxfp4" else "hand"))
 
 
 def kernels() -> dict:
@@ -50,13 +50,17 @@ def kernels() -> dict:
         for fuse in (True, False):
             n, k = (i, h) if fuse else (h, i)
             name = f"{fmt} {'gate_up' if fuse else 'down'}"
-            for rows, cfg in zip(("decode", "prefill"), (defaults[0][1], defaults[-1][1])):
+            decode, prefill = defaults[0][1], defaults[-1][1]
+            for rows, cfg, path in (("decode", decode, "mx"), ("prefill", prefill, "mx"),
+                                    ("decode ptx", decode, "ptx"), ("prefill ptx", prefill, "ptx")):
+                if path == "ptx" and fmt != "mxfp4":
+                    continue
                 args = dict(_args(fmt, n, k, fuse, top_k), sorted_ids_ptr="*i32", block_experts_ptr="*i32",
                             num_valid_ptr="*i32", num_blocks=7, GROUP_M=const(cfg["GROUP_M"]),
                             BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
                             BLOCK_K=const(cfg["BLOCK_K"]), EVEN_K=const(k % cfg["BLOCK_K"] == 0),
                             EVEN_N=const(n % cfg["BLOCK_N"] == 0), DOT_PRECISION=const("tf32"),
-                            **_gemm_args(fmt))
+                            **_gemm_args(fmt, path))
                 compiled = compile_sm90(gemm_mod._moe_gemm_quant_kernel, args, cfg["num_warps"],
                                         cfg["num_stages"])
                 out[f"gemm {name} {rows}"] = widths(compiled.asm["ptx"])

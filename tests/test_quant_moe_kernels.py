@@ -128,32 +128,39 @@ def check_quantized_experts(monkeypatch, fmt, t, e, k, h, i, act, bias, form, bl
         assert err <= REL_TOL[dtype], err
 
 
-@pytest.mark.parametrize("form", ["gemv", "gemm"])
+@pytest.mark.parametrize("form", ["gemv", "gemm", "gemm-large-scale"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form):
     """One-hot activations read each expert's weight back through either kernel: equal,
     bit for bit, to dequantize's (every e2m1 code and a 2^-127 scale; fp8 scale blocks
-    across K steps), rounded to nearest even in bf16 as dequantize rounds; the MX dot
-    (bf16 GEMM) reads blocks of scale 2^-127 as zeros."""
+    across K steps), rounded to nearest even in bf16 as dequantize rounds. The bf16
+    MXFP4 GEMM decodes in PTX on a GPU; with a scale above 128 (gemm-large-scale), and
+    under the interpreter, through the MX dot, which reads blocks of scale 2^-127 as
+    zeros."""
     from loraplex.ops.triton.moe_align import align_experts
-    from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant
+    from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant, mxfp4_path
     from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
 
     gen = torch.Generator().manual_seed(1)
     e, n, k = 2, 40, 96
     w = quantized_experts(fmt, torch.randn(e, n, k, generator=gen), dtype, gen, block_k=32)
+    if fmt == "mxfp4" and form == "gemm-large-scale":
+        w.scale[:, 0, 1] = 135
     if fmt == "mxfp4" and dtype == torch.bfloat16 and DEVICE == "cpu":
         w.scale[w.scale == 0] = 117  # the interpreter's float32 -> bf16 stores flush subnormals
     w = w.to(DEVICE)
     eye = torch.eye(k, dtype=dtype, device=DEVICE)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
     want = dequantize(w)
-    if fmt == "mxfp4" and dtype == torch.bfloat16 and form == "gemm":
-        # tl.dot_scaled's fast-math upcast makes 2^(s - 127) a bf16 from s's bits, so the
-        # smallest scale, 2^-127 (subnormal), multiplies as 0: its blocks (values below
-        # 2e-38; quantizers give it only to all-zero blocks) read as zeros
-        want[(w.scale == 0).repeat_interleave(32, dim=-1)] = 0
+    if fmt == "mxfp4" and dtype == torch.bfloat16:
+        path = "mx" if DEVICE == "cpu" or form == "gemm-large-scale" else "ptx"
+        assert mxfp4_path(w) == path
+        if form != "gemv" and path == "mx":
+            # tl.dot_scaled's fast-math upcast makes 2^(s - 127) a bf16 from s's bits, so
+            # the smallest scale, 2^-127 (subnormal), multiplies as 0: its blocks (values
+            # below 2e-38; quantizers give it only to all-zero blocks) read as zeros
+            want[(w.scale == 0).repeat_interleave(32, dim=-1)] = 0
     for expert in range(e):
         ids = torch.full((k, 1), expert, dtype=torch.int32, device=DEVICE)
         out = torch.empty(k, n, dtype=dtype, device=DEVICE)
@@ -315,12 +322,12 @@ def sm90_counts() -> dict:
 def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
     """On an H100: the grouped GEMM copies activation tiles to shared memory 16 bytes at
     a time and weight bytes in 16 (FP8; its float32 scales in 4) or 4 (MXFP4 under
-    tl.dot_scaled, whose upcast wants its own shared layout) byte copies, a K step masked
-    at gpt-oss's 2880 too; it
+    tl.dot_scaled, whose upcast wants its own shared layout; 16 decoded in PTX) byte
+    copies, a K step masked at gpt-oss's 2880 too; it
     reads scales once per group and stores 16-byte vectors; only the bias (once per
     tile, in the wgmma accumulator's layout) may be read 2 bytes at a time. The GEMV
     reads weight rows in 16-byte vectors."""
-    for rows in ("decode", "prefill"):
+    for rows in ("decode", "prefill") + (("decode ptx", "prefill ptx") if fmt == "mxfp4" else ()):
         c = sm90_counts[f"gemm {fmt} {gemm} {rows}"]
         assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
         assert c.get("ld.b16", 0) <= 4 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c

@@ -85,3 +85,15 @@ class Mxfp4Weight(QuantizedWeight):
         self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scale", torch.empty(*lead, n, k // MXFP4_BLOCK, dtype=torch.uint8,
                                                   device=device))
+        self._max_scale: tuple | None = None  # ((scale's storage, version), its largest value)
+
+    def max_scale(self) -> int | None:
+        """The largest e8m0 scale (kernels pick their decoding by it), computed once per
+        change of `scale`; None while a CUDA graph is being captured and it is not known
+        (reading it back would break the capture)."""
+        version = (self.scale.data_ptr(), self.scale._version)
+        if self._max_scale is None or self._max_scale[0] != version:
+            if self.scale.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            self._max_scale = (version, int(self.scale.max()) if self.scale.numel() else 0)
+        return self._max_scale[1]

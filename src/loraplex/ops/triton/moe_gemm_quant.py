@@ -11,18 +11,23 @@ activations are not quantized, so no FP8 MMA either), float32 accumulation.
 
 - MXFP4 (Mxfp4Weight: data [E, N, K / 2] two e2m1 per byte, low nibble k = 2j; scale
   [E, N, K / 32] e8m0): a step of BLOCK_K reads BLOCK_K / 2 bytes per row and their
-  BLOCK_K / 32 scales. Under bf16 activations (SCALED_DOT) they go to tl.dot_scaled as
-  stored: on Hopper Triton upcasts them to bf16 with packed bf16x2 arithmetic, ~6 SASS
-  instructions per weight value against ~17 for the hand-written decode below (sm_90,
-  Triton 3.6, gpt-oss's decode config), which the step is bound by (benchmarks/
-  RESULTS.md, "Quantized bases"); the values are dequantize's exactly (e2m1 x 2^(s -
-  127) is exact in bf16; NaN scales are refused at load, so fast_math's skipped NaN
-  handling changes nothing), except in blocks of the smallest scale, 2^-127, which
-  fast_math builds as 0 (values below 2e-38; quantizers give it to all-zero blocks).
-  Other activation dtypes decode by hand (quant_tiles.py): the low nibbles are W at
-  the even k, the high ones at the odd k, multiplied by A's even and odd columns (A's
-  tile loaded whole, split in registers) in two dots of BLOCK_K / 2 (so BLOCK_K >= 32:
-  tl.dot needs K >= 16).
+  BLOCK_K / 32 scales, and turns them into bf16 operands one of three ways
+  (MXFP4_PATH, mxfp4_path() picks), which the decode step is bound by (instruction
+  issue: benchmarks/RESULTS.md, "Quantized bases"):
+  - "ptx", bf16 on a GPU with every scale <= 128 (trained weights: blocks up to 12):
+    quant_tiles.mxfp4_bf16_cols places each code's bits in a bf16 and scales two values
+    per multiply, ~3.6 SASS instructions per weight value in the loop (sm_90, Triton
+    3.6, BLOCK_N 128 x BLOCK_K 64);
+  - "mx", other bf16 cases: tl.dot_scaled with the bytes and scales as stored (Triton
+    upcasts them with packed bf16x2 arithmetic, ~6.6 per value), exact except in
+    blocks of the smallest scale, 2^-127, which its fast_math builds as 0 (values below
+    2e-38; quantizers give that scale to all-zero blocks only). NaN scales are refused
+    at load, so fast_math's skipped NaN handling changes nothing;
+  - "hand", float16 / float32 activations (and the interpreter's float32 reads):
+    quant_tiles.mxfp4_cols decodes in float32 and rounds to their dtype (~17 per value).
+  "ptx" and "hand" give the low nibbles (W at the even k) and the high ones (odd k),
+  multiplied by A's even and odd columns (A's tile loaded whole, split in registers) in
+  two dots of BLOCK_K / 2 (so BLOCK_K >= 32: tl.dot needs K >= 16).
 - FP8 (Fp8Weight: data [E, N, K] e4m3; scale [E, N, ceil(K / block_k)] float32): one
   scale per column in a step when the step lies in one scale block (block_k = 128 and
   BLOCK_K <= 128: Qwen3-30B-A3B-FP8), else one per value.
@@ -33,6 +38,7 @@ Tuned configs come from their own files (moe_configs.py: `moe_gemm_<format>_...`
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -44,10 +50,18 @@ from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_epilogue import store_pairs
-from loraplex.ops.triton.precision import dot_settings
-from loraplex.ops.triton.quant_tiles import even_odd, format_args, fp8_cols, mxfp4_cols, mxfp4_packed_cols
+from loraplex.ops.triton.precision import INTERPRETED, dot_settings
+from loraplex.ops.triton.quant_tiles import (
+    even_odd,
+    format_args,
+    fp8_cols,
+    mxfp4_bf16_cols,
+    mxfp4_cols,
+    mxfp4_packed_cols,
+)
 
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
+FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
@@ -63,7 +77,7 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MXFP4_PATH: tl.constexpr,
 ):
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
@@ -92,7 +106,7 @@ def _moe_gemm_quant_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if FORMAT == "mxfp4" and SCALED_DOT:  # bf16 activations: Triton's MX dot upcasts W
+    if FORMAT == "mxfp4" and MXFP4_PATH == "mx":  # bf16 activations: Triton's MX dot upcasts W
         for k0 in range(0, K, BLOCK_K):
             a = row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, False)
             w, s = mxfp4_packed_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
@@ -105,13 +119,21 @@ def _moe_gemm_quant_kernel(
     elif FORMAT == "mxfp4":
         for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j holds k = 2j and 2j + 1
             a_even, a_odd = even_odd(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
-            lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk, BLOCK_K // 2,
-                                EVEN_K, a_ptr, UPCAST)
+            if MXFP4_PATH == "ptx":
+                lo, hi = mxfp4_bf16_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                         BLOCK_K // 2, EVEN_K)
+            else:
+                lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                    BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
             acc = tl.dot(a_even, lo, acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
             if FUSE_ACT:
-                lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                    BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                if MXFP4_PATH == "ptx":
+                    lo, hi = mxfp4_bf16_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk,
+                                             stride_sk, BLOCK_K // 2, EVEN_K)
+                else:
+                    lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                        BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
                 acc_up = tl.dot(a_even, lo, acc_up, input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a_odd, hi, acc_up, input_precision=DOT_PRECISION)
     else:  # fp8
@@ -168,12 +190,20 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        SCALED_DOT=scaled_dot(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MXFP4_PATH=mxfp4_path(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def scaled_dot(w: QuantizedWeight) -> bool:
-    """Whether the kernel multiplies w's tiles with tl.dot_scaled: MXFP4 experts under bf16
-    activations (the MX dot's emulation upcasts to bf16; float16 or float32 activations
-    take the hand-written dequantization, which rounds to their dtype)."""
-    return isinstance(w, Mxfp4Weight) and w.dtype == torch.bfloat16
+def mxfp4_path(w: QuantizedWeight) -> str:
+    """How the kernel turns MXFP4 tiles into bf16 operands (see the module docstring):
+    "ptx" (bf16 on a GPU, every scale at most 128), "mx" (tl.dot_scaled: bf16 otherwise),
+    "hand" (other dtypes; not MXFP4). LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where
+    it applies (to compare them)."""
+    if not isinstance(w, Mxfp4Weight):
+        return "hand"
+    if w.dtype != torch.bfloat16:
+        return "hand"
+    max_scale = None if INTERPRETED or w.device.type != "cuda" else w.max_scale()
+    fits = max_scale is not None and max_scale <= 128
+    path = FORCED_MXFP4_PATH or ("ptx" if fits else "mx")
+    return "mx" if path == "ptx" and not fits else path

@@ -90,6 +90,61 @@ def mxfp4_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH
     return mxfp4_values(data.to(tl.int32), scale.to(tl.int32), like_ptr, UPCAST)
 
 
+# Two bytes -> the bf16x2 of their low (or high) nibbles, bits placed, not computed: an
+# e2m1 code s|e1 e0|m put at bf16 bits 15 | 8 7 | 6 reads as its value times 2^-126
+# (e > 0: 2^(e - 127)(1 + m / 2); e = 0: the subnormal m x 2^-127), so one bf16x2
+# multiply by 2^(s - 1) finishes both values (exact: a power of two; subnormals kept).
+# A nibble at bits 0-3 of each 16-bit half goes to 6-8 and 15 by one multiply by
+# 0x1040 (x << 6 + x << 12, the copies disjoint) and one mask. Per 4 bytes: 2 PRMT
+# spreading bytes (0, 1) and (2, 3) to half words, then 4 x (AND, IMAD, AND, HMUL2):
+# 2.25 instructions per value.
+_E2M1_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 y01, y23, t;
+prmt.b32 y01, $4, 0, 0x4140;
+prmt.b32 y23, $4, 0, 0x4342;
+and.b32 t, y01, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $0, t, $5;
+and.b32 t, y23, 0x000F000F;
+mul.lo.u32 t, t, 0x1040;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $6;
+and.b32 t, y01, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $2, t, $5;
+and.b32 t, y23, 0x00F000F0;
+mul.lo.u32 t, t, 0x104;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $3, t, $6;
+}
+""")
+
+
+@triton.jit
+def mxfp4_bf16_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """mxfp4_cols for bf16 operands on a GPU, decoded by _E2M1_PAIRS_ASM: (W.T at the
+    even k, W.T at the odd k), each [BLOCK_KH, N] bf16, dequantize's values exactly.
+    Needs every scale at most 128 (2^(s - 1) a normal bf16: Mxfp4Weight.max_scale)."""
+    j = j0 + tl.arange(0, BLOCK_KH)
+    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
+    if EVEN_K:
+        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :], other=127)
+    else:
+        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
+                        other=127)
+    n: tl.constexpr = data.shape[1]
+    mult = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
+    mult = tl.reshape(tl.broadcast_to(mult[:, None, :], (BLOCK_KH // 16, 16, n)), (BLOCK_KH, n))
+    return tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [data, mult],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
 @triton.jit
 def mxfp4_packed_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
                       EVEN_K: tl.constexpr):
