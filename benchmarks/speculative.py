@@ -12,8 +12,10 @@ step.
 --batch sequences decoding with --prompt-len tokens of context: the wall time of an
 engine step (synchronous scheduling on both sides) where every sequence verifies k
 proposed tokens that are never kept, against a plain one-token decode step; then whole
-runs of --output-len tokens with the real proposer (adaptive, nothing kept) against
-speculation off (both with async scheduling, the default).
+runs of --output-len tokens where every request always has a proposal, never kept
+(the scheduler's adaptivity deciding how many it verifies), against
+speculation off (both with async scheduling, the default), medians of --repeats
+alternated runs.
 
     python -m benchmarks.speculative --workload quote [--model DIR] [--concurrency 1 2 4 8]
     python -m benchmarks.speculative --workload cost --model llama-3.1-8b --batch 16 --k 4
@@ -49,6 +51,7 @@ def build_parser():
     p.add_argument("--batch", type=int, default=16, help="cost: sequences in flight")
     p.add_argument("--prompt-len", type=int, default=1024, help="cost: context tokens per sequence")
     p.add_argument("--steps", type=int, default=50, help="cost: engine steps timed per variant")
+    p.add_argument("--repeats", type=int, default=5, help="cost: whole runs per variant (median)")
     p.add_argument("--dtype", default="auto")
     return p
 
@@ -158,15 +161,34 @@ def cost(args) -> dict:
         engine.async_scheduling = True
         prompts = [[1000 + i] * args.prompt_len for i in range(args.batch)]
         sp = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t0
 
+    class NeverKept:  # an n-gram index whose proposals the model (nearly) never samples
+        def __init__(self, n_min, n_max):
+            pass
+
+        def propose(self, prompt, output, room):
+            return [vocab - 1 - i for i in range(room)]
+
+    import loraplex.engine.scheduler as scheduler_module
+
+    scheduler_module.NgramIndex = NeverKept
     config = scheduler.speculative
-    results["run_s_speculation_off"] = run_s(None)
-    results["run_s_speculation_on"] = run_s(config)
+    run_s(None), run_s(config)  # warm-up
+    drafted = scheduler.num_draft_tokens
+    off, on = [], []
+    for _ in range(args.repeats):  # alternated, so that drift (clocks, heat) falls on both
+        off.append(run_s(None))
+        on.append(run_s(config))
+    results["run_s_speculation_off"] = statistics.median(off)
+    results["run_s_speculation_on"] = statistics.median(on)
     results["on_over_off"] = results["run_s_speculation_on"] / results["run_s_speculation_off"]
+    # Of the on runs' tokens, the share that was proposed (probes, and the first steps
+    # before a request's acceptance falls).
+    results["drafts_per_output_token"] = ((scheduler.num_draft_tokens - drafted)
+                                          / (args.repeats * args.batch * args.output_len))
     for key, value in results.items():
         print(f"{key:28s} {value:10.3f}")
     return results
