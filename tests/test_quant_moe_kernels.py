@@ -155,7 +155,7 @@ def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form)
     want = dequantize(w)
     if fmt == "mxfp4" and dtype == torch.bfloat16:
         path = "mx" if DEVICE == "cpu" or form == "gemm-large-scale" else "ptx"
-        assert mxfp4_path(w) == path
+        assert mxfp4_path(w) == path and mxfp4_path(w, block_m=64) == "mx"  # prefill blocks: the MX dot
         if form != "gemv" and path == "mx":
             # tl.dot_scaled's fast-math upcast makes 2^(s - 127) a bf16 from s's bits, so
             # the smallest scale, 2^-127 (subnormal), multiplies as 0: its blocks (values

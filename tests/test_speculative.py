@@ -381,24 +381,24 @@ def _step(sched, keep: bool) -> list[int]:
 
 
 def test_proposals_never_kept_stop_and_probes_bring_them_back():
-    """A request whose proposals are never kept proposes k, then k / 2, then nothing
-    but one token on every PROBE_PERIOD-th plan (wants_proposals says which, so the
-    engine keeps its overlap between); a kept probe restores proposals."""
+    """A request whose proposals are never kept proposes k, then k / 2, then nothing but
+    one-token probes, on plans that are multiples of a period doubling from
+    PROBE_PERIOD with each probe not kept (wants_proposals says which plans, so the
+    engine keeps its overlap between); a kept probe restores proposals and the period."""
     sched, (req,) = _spec_scheduler()
     _step(sched, keep=True)  # the prompt
-    drafts, wanted = [], []
-    for _ in range(2 * PROBE_PERIOD + 2):
+    proposed, wanted = {}, []
+    while sched.num_plans < 100:
+        index = sched.num_plans
         wanted.append(sched.wants_proposals())
-        drafts.append(_step(sched, keep=False)[0])
-    first = drafts.index(0)
-    assert drafts[:first] == [4, 2][:first] and first <= 2, drafts
-    probes = [i for i, d in enumerate(drafts) if i >= first and d]
-    assert all(drafts[i] == 1 and (i + 1) % PROBE_PERIOD == 0 for i in probes) and len(probes) == 2, drafts
-    assert wanted == [d > 0 for d in drafts]
+        proposed[index] = _step(sched, keep=False)[0]
+    assert [proposed[1], proposed[2]] == [4, 2]
+    assert {i: d for i, d in proposed.items() if i > 2 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
+    assert wanted == [d > 0 for d in proposed.values()]
     while not sched.wants_proposals():
         _step(sched, keep=False)
-    assert _step(sched, keep=True) == [1]  # the probe is kept
-    assert _step(sched, keep=True)[0] >= 2
+    assert sched.num_plans == 128 and _step(sched, keep=True) == [1]  # the probe is kept
+    assert _step(sched, keep=True)[0] >= 2 and req.acceptance.probe_period == PROBE_PERIOD
 
 
 def test_a_step_proposes_at_most_its_draft_room():

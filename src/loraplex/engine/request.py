@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterTicket
-from loraplex.engine.speculative import ACCEPTANCE_PRIOR, NgramIndex
+from loraplex.engine.speculative import Acceptance, NgramIndex
 from loraplex.types import (
     PENDING_TOKEN,
     LoRARequest,
@@ -66,7 +66,7 @@ class Request:
     num_cached_tokens: int = 0
     # Speculative decoding: its n-gram index (made at its first proposal).
     ngram: NgramIndex | None = None
-    spec_acceptance: float = ACCEPTANCE_PRIOR  # recent share of its proposals kept (speculative.py)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # of its proposals (speculative.py)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -26,14 +26,7 @@ from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import (
-    ACCEPTANCE_WEIGHT,
-    DRAFT_TOKENS_PER_STEP,
-    PROBE_PERIOD,
-    NgramIndex,
-    draft_length,
-    speculates,
-)
+from loraplex.engine.speculative import DRAFT_TOKENS_PER_STEP, NgramIndex, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
@@ -56,7 +49,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculation: tokens proposed, and of them kept,
         self.num_accepted_tokens = 0
         self.num_verified_chunks = 0  # in this many verified chunks
-        self.num_plans = 0  # plans made: every PROBE_PERIOD-th probes requests that stopped proposing
+        self.num_plans = 0  # plans made (requests that stopped proposing probe on some: speculative.py)
         self._draft_room = 0  # tokens the plan being made may still propose
 
     # -- queue -------------------------------------------------------------------------
@@ -102,7 +95,7 @@ class Scheduler:
         now = time.monotonic()
 
         preempted = False
-        probe = self.num_plans % PROBE_PERIOD == 0
+        plan_index = self.num_plans
         self.num_plans += 1
         self._draft_room = DRAFT_TOKENS_PER_STEP
         max_len = self.config.max_model_len
@@ -116,7 +109,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._propose(req, budget, probe) if n == 1 else []
+            drafts = self._propose(req, budget, plan_index) if n == 1 else []
             n += len(drafts)
             while not self.blocks.can_grow(req.block_ids, req.num_computed_tokens + n):
                 victim = next(r for r in reversed(self.running) if r.request_id not in planned)
@@ -144,8 +137,7 @@ class Scheduler:
         spec = self.speculative
         if spec is None or not self._batch_speculates():
             return False
-        probe = self.num_plans % PROBE_PERIOD == 0
-        return any(draft_length(spec.num_speculative_tokens, r.spec_acceptance, probe)
+        return any(r.acceptance.draft_length(spec.num_speculative_tokens, self.num_plans)
                    and r.num_tokens - r.num_computed_tokens == 1  # decoding
                    and speculates(r.sampling, r.num_output_tokens) for r in self.running)
 
@@ -153,7 +145,7 @@ class Scheduler:
         limit = self.speculative.disable_by_batch_size
         return limit is None or len(self.running) <= limit
 
-    def _propose(self, req: Request, budget: int, probe: bool) -> list[int]:
+    def _propose(self, req: Request, budget: int, plan_index: int) -> list[int]:
         """Speculation: tokens to verify after a decoding request's last one, as many as
         its acceptance earns (speculative.py), within the step's budget and draft room,
         its max_tokens and max_model_len, and pages free now (a proposal never
@@ -163,7 +155,7 @@ class Scheduler:
             return []
         if not self._batch_speculates():
             return []
-        room = min(draft_length(spec.num_speculative_tokens, req.spec_acceptance, probe), budget - 1,
+        room = min(req.acceptance.draft_length(spec.num_speculative_tokens, plan_index), budget - 1,
                    self._draft_room, self.config.max_model_len - req.num_tokens)
         if req.sampling.max_tokens is not None:
             room = min(room, req.sampling.max_tokens - req.num_output_tokens - 1)
@@ -173,7 +165,7 @@ class Scheduler:
             req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
         if not drafts:  # nothing to propose counts as nothing kept
-            req.spec_acceptance -= ACCEPTANCE_WEIGHT * req.spec_acceptance
+            req.acceptance.observe(0, 0)
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         self._draft_room -= len(drafts)
@@ -366,8 +358,7 @@ class Scheduler:
         self.num_verified_chunks += 1
         req.metrics.num_draft_tokens += len(chunk.draft_ids)
         req.metrics.num_accepted_tokens += len(tokens) - 1
-        rate = (len(tokens) - 1) / len(chunk.draft_ids)
-        req.spec_acceptance += ACCEPTANCE_WEIGHT * (rate - req.spec_acceptance)
+        req.acceptance.observe(len(tokens) - 1, len(chunk.draft_ids))
         req.num_computed_tokens = chunk.start_pos + len(tokens)
         for token in tokens:
             if self._append(req, token, None, now):

@@ -11,6 +11,8 @@ forward (runner/rejection.py) and keeps the target model's distribution exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from loraplex.types import SamplingParams
@@ -30,17 +32,21 @@ def speculates(sp: SamplingParams, num_output_tokens: int) -> bool:
 # Adaptivity. Per request, an exponential average of the share of its proposals kept
 # (a step with no n-gram match counts as none kept), starting at ACCEPTANCE_PRIOR; it
 # sets how many tokens the request proposes. Below MIN_ACCEPTANCE the request stops
-# proposing: every step that proposes costs the engine its overlap of scheduling with
-# the step in flight (a proposal extends the tokens that step samples) and verification
-# work (k = 4 at 16 in flight: 1.22x a decode step for Llama-3.1-8B, 1.28x for
-# gpt-oss-20b, H100), so proposals rarely kept only slow the run. Such a request probes
-# with one token every PROBE_PERIOD steps (the same steps for all, so the engine gives
-# its overlap up once a period), and a kept probe brings it back.
+# proposing: every step that proposes costs the engine its overlap of planning with the
+# step in flight (a proposal extends the tokens that step samples; ~1.5 ms a step for
+# Llama-3.1-8B at 16 in flight, H100) and verification work (k = 4 at 16 in flight:
+# 1.22-1.29x a decode step for Llama-3.1-8B and gpt-oss-20b, H100), so proposals
+# rarely kept only slow the run. Such a request probes with one token on plans whose
+# index is a multiple of its probe period: PROBE_PERIOD, doubled by each probe not kept
+# (up to MAX_PROBE_PERIOD; powers of two, so the probes of all requests fall on the
+# same plans and the engine gives its overlap up once for them); a kept probe brings
+# the request back.
 ACCEPTANCE_PRIOR = 0.5
 ACCEPTANCE_WEIGHT = 0.3
 FULL_LENGTH_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
 PROBE_PERIOD = 8
+MAX_PROBE_PERIOD = 128
 # Proposed tokens per step, over all requests: past it, large batches verify less (a
 # step of many sequences is no longer bound by reading the weights, and each verified
 # token costs nearly as much as a decoded one).
@@ -55,6 +61,24 @@ def draft_length(k: int, acceptance: float, probe: bool = False) -> int:
     if acceptance >= MIN_ACCEPTANCE:
         return max(1, k // 2)
     return 1 if probe else 0
+
+
+@dataclass
+class Acceptance:
+    """A request's record of its proposals (see Adaptivity above)."""
+
+    rate: float = ACCEPTANCE_PRIOR
+    probe_period: int = PROBE_PERIOD
+
+    def draft_length(self, k: int, plan_index: int) -> int:
+        return draft_length(k, self.rate, plan_index % self.probe_period == 0)
+
+    def observe(self, kept: int, proposed: int) -> None:
+        """The outcome of a proposal: `kept` of `proposed` tokens (0 of 0: the
+        proposer had none)."""
+        if self.rate < MIN_ACCEPTANCE:  # a probe
+            self.probe_period = PROBE_PERIOD if kept else min(2 * self.probe_period, MAX_PROBE_PERIOD)
+        self.rate += ACCEPTANCE_WEIGHT * ((kept / proposed if proposed else 0.0) - self.rate)
 
 
 class NgramIndex:

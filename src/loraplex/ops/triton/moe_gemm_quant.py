@@ -14,7 +14,8 @@ activations are not quantized, so no FP8 MMA either), float32 accumulation.
   BLOCK_K / 32 scales, and turns them into bf16 operands one of three ways
   (MXFP4_PATH, mxfp4_path() picks), which the decode step is bound by (instruction
   issue: benchmarks/RESULTS.md, "Quantized bases"):
-  - "ptx", bf16 on a GPU with every scale <= 128 (trained weights: blocks up to 12):
+  - "ptx", bf16 on a GPU with every scale <= 128 (trained weights: blocks up to 12),
+    decode-sized blocks (PTX_MAX_BLOCK_M):
     quant_tiles.mxfp4_bf16_cols places each code's bits in a bf16 and scales two values
     per multiply, ~3.6 SASS instructions per weight value in the loop (sm_90, Triton
     3.6, BLOCK_N 128 x BLOCK_K 64);
@@ -62,6 +63,11 @@ from loraplex.ops.triton.quant_tiles import (
 
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
 FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
+# Taller blocks (prefill) keep the MX dot: Triton runs it on wgmma with the upcast
+# weights as the register operand, where the PTX decode feeds mma.sync (gpt-oss-20b
+# MXFP4, 16 x 1,600-token prompts in flight: TTFT 1,031 ms with PTX prefill, 405 ms
+# without, H100).
+PTX_MAX_BLOCK_M = 32
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
@@ -190,20 +196,20 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        MXFP4_PATH=mxfp4_path(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def mxfp4_path(w: QuantizedWeight) -> str:
+def mxfp4_path(w: QuantizedWeight, block_m: int = 16) -> str:
     """How the kernel turns MXFP4 tiles into bf16 operands (see the module docstring):
-    "ptx" (bf16 on a GPU, every scale at most 128), "mx" (tl.dot_scaled: bf16 otherwise),
-    "hand" (other dtypes; not MXFP4). LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where
-    it applies (to compare them)."""
+    "ptx" (bf16 on a GPU, every scale at most 128, blocks of at most PTX_MAX_BLOCK_M
+    pairs), "mx" (tl.dot_scaled: other bf16 cases), "hand" (other dtypes; not MXFP4).
+    LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where it applies (to compare them)."""
     if not isinstance(w, Mxfp4Weight):
         return "hand"
     if w.dtype != torch.bfloat16:
         return "hand"
     max_scale = None if INTERPRETED or w.device.type != "cuda" else w.max_scale()
     fits = max_scale is not None and max_scale <= 128
-    path = FORCED_MXFP4_PATH or ("ptx" if fits else "mx")
+    path = FORCED_MXFP4_PATH or ("ptx" if fits and block_m <= PTX_MAX_BLOCK_M else "mx")
     return "mx" if path == "ptx" and not fits else path
