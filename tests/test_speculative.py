@@ -26,6 +26,8 @@ def test_config_parses_vllm_json():
     parsed = SpeculativeConfig.parse({"num_speculative_tokens": 2})
     assert parsed == SpeculativeConfig(num_speculative_tokens=2)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    draft = SpeculativeConfig.parse('{"model": "/models/small", "num_speculative_tokens": 4}')
+    assert draft.method == "draft_model" and draft.model == "/models/small"
 
 
 @pytest.mark.parametrize("spec,error", [
@@ -37,6 +39,9 @@ def test_config_parses_vllm_json():
     ({"num_speculative_tokens": True}, "positive integer"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "exceeds"),
     ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unsupported keys"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+    ({"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to ngram"),
+    ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "applies to draft_model"),
 ])
 def test_config_refuses_what_it_cannot_honour(spec, error):
     with pytest.raises(InvalidRequest, match=error):
@@ -226,6 +231,31 @@ def moe_dir(tmp_path_factory):
     return write_tiny_qwen3_moe(tmp_path_factory.mktemp("spec-moe") / "qwen3moe")
 
 
+def test_a_draft_model_changes_no_token_and_its_own_proposals_are_kept(model_dirs, adapter_dirs):
+    """draft_model, the model itself as its draft: base rows keep (nearly) every
+    proposal; adapter rows (the draft runs bare) fewer; every token is plain decoding's,
+    under preemption too (a cache of 8 pages for 8 requests: the draft starts over)."""
+    arch = "qwen3"
+    prompts = _prompts(8)
+    loras = _loras(adapter_dirs, arch, len(prompts))
+    plain = make_llm(model_dirs[arch], max_model_len=64).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5), loras,
+        use_tqdm=False)
+    spec = {"model": str(model_dirs[arch]), "num_speculative_tokens": 3}
+    for pages in (None, 8):
+        llm = make_llm(model_dirs[arch], speculative_config=spec, num_gpu_blocks_override=pages,
+                       max_model_len=64, max_num_seqs=8)
+        got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), loras,
+                           use_tqdm=False)
+        for g, p in zip(got, plain):
+            assert_same_greedy_tokens(g.outputs[0], p.outputs[0])
+        base = [g.metrics for g, lora in zip(got, loras) if lora is None]
+        drafted, kept = sum(m.num_draft_tokens for m in base), sum(m.num_accepted_tokens for m in base)
+        assert drafted > 0 and kept >= 0.9 * drafted, (drafted, kept)
+        if pages:
+            assert sum(g.metrics.num_preemptions for g in got) > 0
+
+
 def test_moe_greedy_tokens_are_those_of_plain_decoding(moe_dir):
     """Qwen3-MoE (experts in the verified positions too): speculation changes no token."""
     prompts = _prompts()
@@ -306,9 +336,10 @@ def test_verification_probabilities_are_the_samplers(temperature, top_k, top_p):
 
 def test_the_engine_keeps_the_sampled_distribution(tmp_path):
     """Through the whole engine, at temperature 1 on a vocabulary of 12: 3,000 samples of
-    five tokens after a repetitive prompt, with n-gram speculation (proposals verified
-    and often rejected) and without. Each position's token frequencies agree within five
-    standard deviations of their difference."""
+    five tokens after a repetitive prompt, with n-gram speculation and with a draft model
+    (another random model: proposals verified and often rejected), and without. Each
+    position's token frequencies agree within five standard deviations of their
+    difference."""
     import transformers
 
     from loraplex.bench.synthetic import write_random_model
@@ -322,7 +353,9 @@ def test_the_engine_keeps_the_sampled_distribution(tmp_path):
     n, out_len = 3000, 5
     sp = SamplingParams(temperature=1.0, max_tokens=out_len, ignore_eos=True)
     samples = {}
-    for label, spec in (("plain", None), ("ngram", SPEC)):
+    draft = write_random_model(tmp_path / "tiny-vocab-draft", cfg, 4, None)  # another model: often wrong
+    for label, spec in (("plain", None), ("ngram", SPEC), ("draft", {"model": str(draft),
+                                                                       "num_speculative_tokens": 3})):
         llm = make_llm(model, speculative_config=spec, max_num_seqs=256, max_model_len=32, seed=7,
                        max_loras=0)
         outs = llm.generate([prompt] * n, sp, use_tqdm=False)
@@ -332,8 +365,10 @@ def test_the_engine_keeps_the_sampled_distribution(tmp_path):
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     tolerance = 5 * (2 * 0.25 / n) ** 0.5
     for pos in range(out_len):
-        plain, spec = (_frequencies(samples[k][:, pos], 12) for k in ("plain", "ngram"))
-        assert (plain - spec).abs().max() < tolerance, (pos, plain, spec)
+        plain = _frequencies(samples["plain"][:, pos], 12)
+        for label in ("ngram", "draft"):
+            spec = _frequencies(samples[label][:, pos], 12)
+            assert (plain - spec).abs().max() < tolerance, (label, pos, plain, spec)
 
 
 # -- adaptivity ------------------------------------------------------------------------------
@@ -392,8 +427,8 @@ def test_proposals_never_kept_stop_and_probes_bring_them_back():
         index = sched.num_plans
         wanted.append(sched.wants_proposals())
         proposed[index] = _step(sched, keep=False)[0]
-    assert [proposed[1], proposed[2]] == [4, 2]
-    assert {i: d for i, d in proposed.items() if i > 2 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
+    assert [proposed[i] for i in (1, 2, 3, 4)] == [4, 4, 2, 2]  # acceptance 1, 0.7, 0.49, 0.34
+    assert {i: d for i, d in proposed.items() if i > 4 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
     assert wanted == [d > 0 for d in proposed.values()]
     while not sched.wants_proposals():
         _step(sched, keep=False)

@@ -365,7 +365,7 @@ class SchedulerConfig:
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -374,13 +374,14 @@ class SpeculativeConfig:
     num_speculative_tokens tokens per decoding sequence and verifies them in one forward
     (engine/speculative.py, runner/rejection.py)."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model" (engine/draft_model.py)
     num_speculative_tokens: int = 3  # k: proposed tokens per sequence per step
     prompt_lookup_max: int = 4  # ngram: longest suffix searched for
     prompt_lookup_min: int = 1  # ngram: shortest
     # No proposals while more requests than this are running: a large batch is compute-
     # bound, where each verified token costs nearly what a decoded one does.
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's model directory (same vocabulary)
 
     @classmethod
     def parse(cls, spec: str | dict | None) -> SpeculativeConfig | None:
@@ -396,15 +397,23 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise InvalidRequest("speculative config must be a JSON object")
         counts = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
-        fields = {"method", *counts}
+        fields = {"method", "model", *counts}
         unknown = sorted(set(spec) - fields)
         if unknown:
             raise InvalidRequest(f"speculative config: unsupported keys {unknown} "
                                  f"(supported: {sorted(fields)})")
-        method = spec.get("method", "ngram")
+        method = spec.get("method", "draft_model" if "model" in spec else "ngram")
         if method not in SPECULATIVE_METHODS:
             raise InvalidRequest(f"speculative config: method {method!r} is not supported "
                                  f"(supported: {SPECULATIVE_METHODS})")
+        if method == "draft_model":
+            if not isinstance(spec.get("model"), str) or not spec["model"]:
+                raise InvalidRequest("speculative config: draft_model needs \"model\": a model directory")
+            lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(spec))
+            if lookup:
+                raise InvalidRequest(f"speculative config: {lookup} apply to ngram, not draft_model")
+        elif "model" in spec:
+            raise InvalidRequest(f"speculative config: \"model\" applies to draft_model, not {method}")
         if "num_speculative_tokens" not in spec:
             raise InvalidRequest("speculative config: num_speculative_tokens is required")
         values = {}
@@ -414,7 +423,7 @@ class SpeculativeConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise InvalidRequest(f"speculative config: {key} must be a positive integer, got {v!r}")
                 values[key] = v
-        config = cls(method=method, **values)
+        config = cls(method=method, model=spec.get("model"), **values)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise InvalidRequest("speculative config: prompt_lookup_min exceeds prompt_lookup_max")
         return config

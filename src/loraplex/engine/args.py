@@ -101,7 +101,8 @@ class EngineArgs:
         "format; a quantized checkpoint says its own method", choices=QUANTIZATION_METHODS)
     speculative_config: str | dict | None = _option(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
-        "k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}; each decoding sequence "
+        "k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, or a draft model of the same "
+        "vocabulary: {\"model\": DIR, \"num_speculative_tokens\": k}; each decoding sequence "
         "verifies up to k proposed tokens a step", metavar="JSON")
     enable_prefix_caching: bool = _option(
         True, "keep full KV pages and reuse them for later requests with the same prefix, "

@@ -22,6 +22,7 @@ from loraplex.adapters.sources import DiskCache
 from loraplex.config import EngineConfig, cache_root
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from loraplex.engine.draft_model import DraftModel
 from loraplex.engine.parallel import ParentRequest, child_id
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
@@ -64,6 +65,9 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.runner = ModelRunner(config, self.eos_token_ids)
+        spec = config.speculative
+        self.draft_model = (DraftModel(config, self.runner.num_blocks)
+                            if spec is not None and spec.method == "draft_model" else None)
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
         if self.adapters is not None:
             # Loader threads run short Python stretches between GIL-free reads and checks.
@@ -338,6 +342,8 @@ class LLMEngine:
             outputs += self._finish_step(self._in_flight)
             self._in_flight = None
         plan = self.scheduler.schedule()
+        if self.draft_model is not None:
+            self.draft_model.fill(plan, self.scheduler.requests)
         loads = {slot: self.adapters.get(key) for slot, key in plan.lora_loads.items()}
         launched = self.runner.launch(plan, loads, timed=self.step_timings is not None)
         self.num_steps += bool(plan.chunks)

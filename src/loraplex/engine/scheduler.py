@@ -161,9 +161,12 @@ class Scheduler:
             room = min(room, req.sampling.max_tokens - req.num_output_tokens - 1)
         if room <= 0:
             return []
-        if req.ngram is None:
-            req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
+        if spec.method == "draft_model":
+            drafts = [0] * room  # placeholders: the engine's DraftModel fills them in
+        else:
+            if req.ngram is None:
+                req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
         if not drafts:  # nothing to propose counts as nothing kept
             req.acceptance.observe(0, 0)
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):

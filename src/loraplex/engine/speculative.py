@@ -33,15 +33,14 @@ def speculates(sp: SamplingParams, num_output_tokens: int) -> bool:
 # (a step with no n-gram match counts as none kept), starting at ACCEPTANCE_PRIOR; it
 # sets how many tokens the request proposes. Below MIN_ACCEPTANCE the request stops
 # proposing: every step that proposes costs the engine its overlap of planning with the
-# step in flight (a proposal extends the tokens that step samples; ~1.5 ms a step for
-# Llama-3.1-8B at 16 in flight, H100) and verification work (k = 4 at 16 in flight:
-# 1.22-1.29x a decode step for Llama-3.1-8B and gpt-oss-20b, H100), so proposals
-# rarely kept only slow the run. Such a request probes with one token on plans whose
-# index is a multiple of its probe period: PROBE_PERIOD, doubled by each probe not kept
-# (up to MAX_PROBE_PERIOD; powers of two, so the probes of all requests fall on the
-# same plans and the engine gives its overlap up once for them); a kept probe brings
-# the request back.
-ACCEPTANCE_PRIOR = 0.5
+# step in flight (a proposal extends the tokens that step samples) and verification
+# work (k = 4 at 16 in flight: 1.22-1.29x a decode step for Llama-3.1-8B and
+# gpt-oss-20b, H100), so proposals rarely kept only slow the run. Such a request
+# probes with one token on plans whose index is a multiple of its probe period:
+# PROBE_PERIOD, doubled by each probe verified and not kept (up to MAX_PROBE_PERIOD;
+# powers of two, so the probes of all requests fall on the same plans and the engine
+# gives its overlap up once for them); a kept probe brings the request back.
+ACCEPTANCE_PRIOR = 1.0
 ACCEPTANCE_WEIGHT = 0.3
 FULL_LENGTH_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
@@ -76,7 +75,7 @@ class Acceptance:
     def observe(self, kept: int, proposed: int) -> None:
         """The outcome of a proposal: `kept` of `proposed` tokens (0 of 0: the
         proposer had none)."""
-        if self.rate < MIN_ACCEPTANCE:  # a probe
+        if self.rate < MIN_ACCEPTANCE and proposed:  # a probe verified
             self.probe_period = PROBE_PERIOD if kept else min(2 * self.probe_period, MAX_PROBE_PERIOD)
         self.rate += ACCEPTANCE_WEIGHT * ((kept / proposed if proposed else 0.0) - self.rate)
 
