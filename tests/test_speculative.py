@@ -215,9 +215,23 @@ def test_speculation_under_preemption_stops_and_opt_outs(model_dirs):
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
-def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs):
+class _RepeatLast:
+    """An n-gram index that always proposes the last token again (a random model's
+    sampled text seldom repeats, so the real index would seldom propose)."""
+
+    def __init__(self, n_min, n_max):
+        pass
+
+    def propose(self, prompt, output, room):
+        return [(output or prompt)[-1]] * room
+
+
+def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     """Temperature 0.8 with top-p, unseeded: rows speculate and every request gets its
     max_tokens (the distribution itself: test_sampled_tokens_keep_the_target_distribution)."""
+    import loraplex.engine.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "NgramIndex", _RepeatLast)
     llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)
@@ -427,8 +441,8 @@ def test_proposals_never_kept_stop_and_probes_bring_them_back():
         index = sched.num_plans
         wanted.append(sched.wants_proposals())
         proposed[index] = _step(sched, keep=False)[0]
-    assert [proposed[i] for i in (1, 2, 3, 4)] == [4, 4, 2, 2]  # acceptance 1, 0.7, 0.49, 0.34
-    assert {i: d for i, d in proposed.items() if i > 4 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
+    assert [proposed[1], proposed[2]] == [4, 2]  # acceptance 0.5, then 0.35
+    assert {i: d for i, d in proposed.items() if i > 2 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
     assert wanted == [d > 0 for d in proposed.values()]
     while not sched.wants_proposals():
         _step(sched, keep=False)

@@ -40,7 +40,7 @@ def speculates(sp: SamplingParams, num_output_tokens: int) -> bool:
 # PROBE_PERIOD, doubled by each probe verified and not kept (up to MAX_PROBE_PERIOD;
 # powers of two, so the probes of all requests fall on the same plans and the engine
 # gives its overlap up once for them); a kept probe brings the request back.
-ACCEPTANCE_PRIOR = 1.0
+ACCEPTANCE_PRIOR = 0.5
 ACCEPTANCE_WEIGHT = 0.3
 FULL_LENGTH_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
