@@ -270,6 +270,55 @@ def test_a_draft_model_changes_no_token_and_its_own_proposals_are_kept(model_dir
             assert sum(g.metrics.num_preemptions for g in got) > 0
 
 
+def _kept_share(outs, loras, adapted: bool) -> float:
+    metrics = [o.metrics for o, lora in zip(outs, loras) if (lora is not None) == adapted]
+    drafted = sum(m.num_draft_tokens for m in metrics)
+    assert drafted > 0
+    return sum(m.num_accepted_tokens for m in metrics) / drafted
+
+
+def test_draft_adapters_follow_the_request_adapter(model_dirs, adapter_dirs, tmp_path):
+    """The draft (here the model itself) takes each adapter's draft adapter: from the
+    config's draft_adapters, or the adapter directory's draft/ subdirectory. Adapter
+    rows then keep (nearly) every proposal, against fewer with the bare draft; a draft
+    adapter that cannot be read leaves its rows to the bare draft. Tokens are plain
+    decoding's throughout."""
+    import shutil
+
+    arch = "qwen3"
+    prompts = _prompts(8)
+    names = list(adapter_dirs[arch])
+    # requests of adapter 1 map through the config; adapter 2's directory carries draft/
+    mapped, carried = names[1], tmp_path / "carried"
+    shutil.copytree(adapter_dirs[arch][names[2]], carried)
+    shutil.copytree(adapter_dirs[arch][names[2]], carried / "draft")
+    loras = [None if i % 3 == 0 else LoRARequest(mapped, 1, str(adapter_dirs[arch][mapped])) if i % 3 == 1
+             else LoRARequest(names[2], 2, str(carried)) for i in range(len(prompts))]
+    scored = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    plain = make_llm(model_dirs[arch]).generate(prompts, scored, loras, use_tqdm=False)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    bare = make_llm(model_dirs[arch], speculative_config={"model": str(model_dirs[arch]),
+                                                          "num_speculative_tokens": 3})
+    bare_outs = bare.generate(prompts, sp, [lo if lo is None or lo.lora_name == mapped else
+                                            LoRARequest(names[2], 2, str(adapter_dirs[arch][names[2]]))
+                                            for lo in loras], use_tqdm=False)
+    spec = {"model": str(model_dirs[arch]), "num_speculative_tokens": 3,
+            "draft_adapters": {mapped: str(adapter_dirs[arch][mapped])}}
+    outs = make_llm(model_dirs[arch], speculative_config=spec).generate(prompts, sp, loras, use_tqdm=False)
+    for got in (bare_outs, outs):
+        for g, p in zip(got, plain):
+            assert_same_greedy_tokens(g.outputs[0], p.outputs[0])
+    assert _kept_share(outs, loras, True) >= 0.8 > _kept_share(bare_outs, loras, True)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    spec["draft_adapters"] = {mapped: str(broken)}
+    outs = make_llm(model_dirs[arch], speculative_config=spec).generate(prompts, sp, loras, use_tqdm=False)
+    for g, p in zip(outs, plain):
+        assert_same_greedy_tokens(g.outputs[0], p.outputs[0])
+
+
 def test_moe_greedy_tokens_are_those_of_plain_decoding(moe_dir):
     """Qwen3-MoE (experts in the verified positions too): speculation changes no token."""
     prompts = _prompts()

@@ -382,6 +382,9 @@ class SpeculativeConfig:
     # bound, where each verified token costs nearly what a decoded one does.
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's model directory (same vocabulary)
+    # draft_model: adapter name -> the draft model's adapter for requests naming it (else
+    # an adapter directory's draft/ subdirectory, else the draft runs bare).
+    draft_adapters: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, spec: str | dict | None) -> SpeculativeConfig | None:
@@ -397,7 +400,7 @@ class SpeculativeConfig:
         if not isinstance(spec, dict):
             raise InvalidRequest("speculative config must be a JSON object")
         counts = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
-        fields = {"method", "model", *counts}
+        fields = {"method", "model", "draft_adapters", *counts}
         unknown = sorted(set(spec) - fields)
         if unknown:
             raise InvalidRequest(f"speculative config: unsupported keys {unknown} "
@@ -412,8 +415,13 @@ class SpeculativeConfig:
             lookup = sorted({"prompt_lookup_max", "prompt_lookup_min"} & set(spec))
             if lookup:
                 raise InvalidRequest(f"speculative config: {lookup} apply to ngram, not draft_model")
-        elif "model" in spec:
-            raise InvalidRequest(f"speculative config: \"model\" applies to draft_model, not {method}")
+        else:
+            for key in sorted({"model", "draft_adapters"} & set(spec)):
+                raise InvalidRequest(f"speculative config: \"{key}\" applies to draft_model, not {method}")
+        adapters = spec.get("draft_adapters", {})
+        if not isinstance(adapters, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                     for k, v in adapters.items()):
+            raise InvalidRequest("speculative config: draft_adapters maps adapter names to directories")
         if "num_speculative_tokens" not in spec:
             raise InvalidRequest("speculative config: num_speculative_tokens is required")
         values = {}
@@ -423,7 +431,8 @@ class SpeculativeConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise InvalidRequest(f"speculative config: {key} must be a positive integer, got {v!r}")
                 values[key] = v
-        config = cls(method=method, model=spec.get("model"), **values)
+        config = cls(method=method, model=spec.get("model"), draft_adapters=tuple(sorted(adapters.items())),
+                     **values)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise InvalidRequest("speculative config: prompt_lookup_min exceeds prompt_lookup_max")
         return config

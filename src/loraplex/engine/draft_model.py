@@ -13,6 +13,13 @@ first proposal from the last; k - 1 one-token forwards give the others. Its KV p
 request's known tokens is rewritten by the next catch-up, so proposals that were not
 kept leave nothing behind. A preempted request starts over (its pages are new).
 
+Adapters: a request's adapter may have a draft adapter, for the draft model: the
+config's `draft_adapters` (adapter name -> directory), else the adapter directory's
+`draft/` subdirectory. DraftAdapters reads them on a thread of its own and copies them
+into the draft's own slots (as many as the target has, least recently used reused);
+until one is in memory, or if it cannot be read, the request's proposals come from the
+bare draft, so a draft adapter never holds a request up or fails it.
+
 The scheduler decides which requests propose and how many tokens (speculative.py's
 adaptivity, the step's draft room) and plans placeholders; `fill` replaces them before
 the step launches. Proposals are deterministic (greedy), which rejection sampling takes
@@ -22,16 +29,23 @@ as a one-hot draft distribution: sampled rows keep the target's distribution.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from transformers import AutoConfig
 
+from loraplex.adapters.peft import CONFIG_FILE, LoRAAdapter, read_adapter_dir, to_canonical
 from loraplex.config import EngineConfig, LoRAConfig
 from loraplex.engine.request import Request
 from loraplex.errors import ModelLoadError
 from loraplex.models.registry import model_config
 from loraplex.runner.model_runner import ModelRunner
 from loraplex.types import SamplingParams, ScheduledChunk, StepPlan
+
+logger = logging.getLogger("loraplex")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
@@ -49,14 +63,17 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
         raise ModelLoadError(f"speculative config: the draft model's vocabulary ({model.vocab_size} tokens) "
                              f"differs from the model's ({config.model.vocab_size})")
     cache = dataclasses.replace(config.cache, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
+    lora = LoRAConfig(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
     return dataclasses.replace(config, model_path=str(path), model=model, cudagraph_mode="NONE",
-                               measure_moe_routing=False, cache=cache, lora=LoRAConfig(max_loras=0),
-                               speculative=None)
+                               measure_moe_routing=False, cache=cache, lora=lora, speculative=None)
 
 
 class DraftModel:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.runner = ModelRunner(draft_engine_config(config, num_blocks))
+        self.adapters = (DraftAdapters(self.runner, dict(config.speculative.draft_adapters))
+                         if self.runner.lora_slots is not None else None)
+        self._loads: dict[int, LoRAAdapter] = {}  # slot -> draft adapter to copy in with the next forward
         self.budget = config.scheduler.max_num_batched_tokens
         # request id -> (its preemption count, tokens whose draft KV is written)
         self._computed: dict[str, tuple[int, int]] = {}
@@ -76,10 +93,15 @@ class DraftModel:
             req = requests[c.request_id]
             known[c.request_id] = req.prompt_token_ids + req.output_token_ids
             assert len(known[c.request_id]) == c.start_pos + 1, "proposals follow the last known token"
-        drafts = self._catch_up(chunks, known, requests)
+        slots = {c.request_id: -1 for c in chunks}
+        if self.adapters is not None:
+            slots, self._loads = self.adapters.slots({c.request_id: requests[c.request_id].lora_request
+                                                      for c in chunks})
+        drafts = self._catch_up(chunks, known, requests, slots)
         for j in range(1, max(len(c.draft_ids) for c in chunks)):
-            step = [ScheduledChunk(c.request_id, [drafts[c.request_id][-1]], c.start_pos + j, c.block_ids, -1,
-                                   True, GREEDY, 0) for c in chunks if len(c.draft_ids) > j]
+            step = [ScheduledChunk(c.request_id, [drafts[c.request_id][-1]], c.start_pos + j, c.block_ids,
+                                   slots[c.request_id], True, GREEDY, 0)
+                    for c in chunks if len(c.draft_ids) > j]
             for chunk, token in zip(step, self._run(step)):
                 drafts[chunk.request_id].append(token)
         for c in chunks:
@@ -88,15 +110,17 @@ class DraftModel:
             c.draft_ids = proposal
 
     def _catch_up(self, chunks: list[ScheduledChunk], known: dict[str, list[int]],
-                  requests: Mapping[str, Request]) -> dict[str, list[int]]:
+                  requests: Mapping[str, Request], slots: dict[str, int]) -> dict[str, list[int]]:
         """Run the draft over each request's tokens it has not computed, in forwards of
         at most the step budget; returns each request's first proposal (in a list)."""
         done = {}
         for c in chunks:
-            preemptions = requests[c.request_id].metrics.num_preemptions
-            seen, n = self._computed.get(c.request_id, (preemptions, 0))
-            done[c.request_id] = n if seen == preemptions else 0
-            self._computed[c.request_id] = (preemptions, len(known[c.request_id]))
+            # The draft's KV is valid while the request keeps its pages and its draft
+            # adapter (a preemption, or a draft adapter now in memory: start over).
+            epoch = (requests[c.request_id].metrics.num_preemptions, slots[c.request_id] >= 0)
+            seen, n = self._computed.get(c.request_id, (epoch, 0))
+            done[c.request_id] = n if seen == epoch else 0
+            self._computed[c.request_id] = (epoch, len(known[c.request_id]))
         first: dict[str, list[int]] = {}
         while len(first) < len(chunks):
             step, room = [], self.budget
@@ -105,8 +129,8 @@ class DraftModel:
                 n = min(len(tokens) - start, room)
                 if c.request_id in first or n <= 0:
                     continue
-                step.append(ScheduledChunk(c.request_id, tokens[start: start + n], start, c.block_ids, -1,
-                                           start + n == len(tokens), GREEDY, 0))
+                step.append(ScheduledChunk(c.request_id, tokens[start: start + n], start, c.block_ids,
+                                           slots[c.request_id], start + n == len(tokens), GREEDY, 0))
                 done[c.request_id] += n
                 room -= n
             for chunk, token in zip(step, self._run(step)):
@@ -115,6 +139,81 @@ class DraftModel:
         return first
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        plan = StepPlan(chunks, finished_request_ids=self._finished)
+        loads, self._loads = self._loads, {}
+        plan = StepPlan(chunks, lora_loads={slot: f"draft-{slot}" for slot in loads},
+                        finished_request_ids=self._finished)
         self._finished = []
-        return self.runner.run(plan).sampled_token_ids
+        return self.runner.run(plan, loads).sampled_token_ids
+
+
+class DraftAdapters:
+    """The draft model's adapters: which one a request's adapter has, read in the
+    background, and the draft runner's slots they occupy (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner, configured: dict[str, str]):
+        self.runner = runner
+        self.configured = configured  # adapter name -> draft adapter directory
+        self._paths: dict[tuple[str, str], str | None] = {}  # (name, path) -> its draft's directory
+        self._reads: dict[str, Future] = {}  # directory -> Future[LoRAAdapter]
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # directory -> slot, least recent first
+        self._free = list(range(runner.config.lora.max_loras))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-draft-adapters")
+
+    def slots(self, loras: dict[str, object]) -> tuple[dict[str, int], dict[int, LoRAAdapter]]:
+        """Each request's draft slot (-1: bare) given its LoRARequest (or None), and the
+        adapters to copy into slots first."""
+        slots, loads, used = {}, {}, set()
+        for request_id, lora in loras.items():
+            path = self._draft_path(lora) if lora is not None else None
+            adapter = self._ready(path) if path is not None else None
+            slot = -1
+            if adapter is not None:
+                slot = self._slot_of.get(path, -1)
+                if slot < 0:
+                    slot = self._take_slot(used)
+                    if slot >= 0:
+                        self._slot_of[path], loads[slot] = slot, adapter
+                if slot >= 0:
+                    self._slot_of.move_to_end(path)
+                    used.add(slot)
+            slots[request_id] = slot
+        return slots, loads
+
+    def _draft_path(self, lora) -> str | None:
+        key = (lora.lora_name, lora.lora_path)
+        if key not in self._paths:
+            path = self.configured.get(lora.lora_name)
+            if path is None and lora.lora_path and (Path(lora.lora_path) / "draft" / CONFIG_FILE).is_file():
+                path = str(Path(lora.lora_path) / "draft")
+            self._paths[key] = path
+        return self._paths[key]
+
+    def _ready(self, path: str) -> LoRAAdapter | None:
+        """The adapter at `path` if read; starts reading it otherwise. None also for one
+        that cannot be read (logged once)."""
+        read = self._reads.get(path)
+        if read is None:
+            self._reads[path] = self._pool.submit(self._read, path)
+            return None
+        if not read.done() or read.exception() is not None:
+            return None
+        return read.result()
+
+    def _read(self, path: str) -> LoRAAdapter:
+        try:
+            config, tensors = read_adapter_dir(f"draft:{path}", path)
+            lora = self.runner.config.lora
+            return to_canonical(f"draft:{path}", f"draft:{path}", path, config, tensors,
+                                self.runner.adapter_targets, lora.max_lora_rank, self.runner.dtype)
+        except Exception as e:
+            logger.warning("draft adapter %s not used (its requests draft bare): %s", path, e)
+            raise
+
+    def _take_slot(self, used: set[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        for path, slot in self._slot_of.items():  # least recently used first
+            if slot not in used:
+                del self._slot_of[path]
+                return slot
+        return -1
