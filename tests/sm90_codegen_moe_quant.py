@@ -66,10 +66,12 @@ def kernels() -> dict:
                 out[f"gemm {name} {rows}"] = widths(compiled.asm["ptx"])
             cfg = gemv_mod.GEMV_CONFIG
             block_k = next(b for b in (cfg["BLOCK_K"], 64, 32) if k % b == 0)
-            args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
-                        BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0))
-            compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
-            out[f"gemv {name}"] = widths(compiled.asm["ptx"])
+            for ptx in (False, True) if fmt == "mxfp4" else (False,):
+                args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
+                            BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0),
+                            PTX=const(ptx))
+                compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
+                out[f"gemv {name}" + (" ptx" if ptx else "")] = widths(compiled.asm["ptx"])
     return out
 
 

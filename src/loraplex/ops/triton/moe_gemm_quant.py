@@ -39,19 +39,18 @@ Tuned configs come from their own files (moe_configs.py: `moe_gemm_<format>_...`
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.formats import Mxfp4Weight, QuantizedWeight
+from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_epilogue import store_pairs
-from loraplex.ops.triton.precision import INTERPRETED, dot_settings
+from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.quant_tiles import (
     even_odd,
     format_args,
@@ -59,15 +58,10 @@ from loraplex.ops.triton.quant_tiles import (
     mxfp4_bf16_cols,
     mxfp4_cols,
     mxfp4_packed_cols,
+    mxfp4_path,
 )
 
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
-FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
-# Taller blocks (prefill) keep the MX dot: Triton runs it on wgmma with the upcast
-# weights as the register operand, where the PTX decode feeds mma.sync (gpt-oss-20b
-# MXFP4, 16 x 1,600-token prompts in flight: TTFT 1,031 ms with PTX prefill, 405 ms
-# without, H100).
-PTX_MAX_BLOCK_M = 32
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
@@ -198,18 +192,3 @@ def moe_gemm_quant(
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
         MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-def mxfp4_path(w: QuantizedWeight, block_m: int = 16) -> str:
-    """How the kernel turns MXFP4 tiles into bf16 operands (see the module docstring):
-    "ptx" (bf16 on a GPU, every scale at most 128, blocks of at most PTX_MAX_BLOCK_M
-    pairs), "mx" (tl.dot_scaled: other bf16 cases), "hand" (other dtypes; not MXFP4).
-    LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where it applies (to compare them)."""
-    if not isinstance(w, Mxfp4Weight):
-        return "hand"
-    if w.dtype != torch.bfloat16:
-        return "hand"
-    max_scale = None if INTERPRETED or w.device.type != "cuda" else w.max_scale()
-    fits = max_scale is not None and max_scale <= 128
-    path = FORCED_MXFP4_PATH or ("ptx" if fits and block_m <= PTX_MAX_BLOCK_M else "mx")
-    return "mx" if path == "ptx" and not fits else path

@@ -10,7 +10,8 @@ operand layout. Here each program reads its pair's expert id straight from topk_
 alignment), streams its rows' quantized bytes once, dequantizes them in registers
 (quant_tiles.py: the values dequantize gives, rounded to the activations' dtype) and
 multiplies them with the activation row in float32 FMAs, accumulated elementwise and
-reduced once. Experts hit by several pairs are read once per pair (from L2 after the
+reduced once (bf16 MXFP4 on a GPU decodes in PTX: quant_tiles.mxfp4_bf16_cols, as the
+grouped GEMM's decode-sized blocks do). Experts hit by several pairs are read once per pair (from L2 after the
 first): fused_moe.py takes this form only while the step's pairs are no more than the
 experts. The grid depends on the pair count alone (CUDA graphs).
 
@@ -30,7 +31,7 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.moe_epilogue import store_pairs
 from loraplex.ops.triton.precision import INTERPRETED
-from loraplex.ops.triton.quant_tiles import format_args, fp8_cols, mxfp4_cols
+from loraplex.ops.triton.quant_tiles import format_args, fp8_cols, mxfp4_bf16_cols, mxfp4_cols, mxfp4_path
 
 # Untuned (no GPU at hand when written): [BLOCK_K, BLOCK_N] float32 accumulators, two
 # with the fused activation, of 32 values per thread at 4 warps.
@@ -55,7 +56,7 @@ def _moe_gemv_quant_kernel(
     HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PTX: tl.constexpr,
 ):
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
@@ -77,13 +78,23 @@ def _moe_gemv_quant_kernel(
             x = tl.reshape(_x_row(row, k0 + offs_k, K, stride_ak, EVEN_K), (BLOCK_K // 2, 2))
             x_even, x_odd = tl.split(x)
             x_even, x_odd = x_even[:, None], x_odd[:, None]
-            lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk, BLOCK_K // 2,
-                                EVEN_K, a_ptr, UPCAST)
-            acc += lo.to(tl.float32) * x_even + hi.to(tl.float32) * x_odd
-            if FUSE_ACT:
-                lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+            if PTX:
+                lo, hi = mxfp4_bf16_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                         BLOCK_K // 2, EVEN_K)
+            else:
+                lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
                                     BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
-                acc_up += lo.to(tl.float32) * x_even + hi.to(tl.float32) * x_odd
+            acc += lo.to(tl.float32) * x_even  # two FMAs (one sum of products: FMUL, FFMA, FADD)
+            acc += hi.to(tl.float32) * x_odd
+            if FUSE_ACT:
+                if PTX:
+                    lo, hi = mxfp4_bf16_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk,
+                                             stride_sk, BLOCK_K // 2, EVEN_K)
+                else:
+                    lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
+                                        BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                acc_up += lo.to(tl.float32) * x_even
+                acc_up += hi.to(tl.float32) * x_odd
     else:  # fp8
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -144,5 +155,6 @@ def moe_gemv_quant(
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0,
-        EVEN_N=n % cfg["BLOCK_N"] == 0, UPCAST=INTERPRETED, num_warps=cfg["num_warps"],
+        EVEN_N=n % cfg["BLOCK_N"] == 0, UPCAST=INTERPRETED, PTX=mxfp4_path(w) == "ptx",
+        num_warps=cfg["num_warps"],
     )

@@ -15,10 +15,21 @@ operands to tl.dot, float32 accumulation.
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.triton.precision import INTERPRETED
+
+FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
+# Taller blocks (prefill) keep the MX dot: Triton runs it on wgmma with the upcast
+# weights as the register operand, where the PTX decode feeds mma.sync (gpt-oss-20b
+# MXFP4, 16 x 1,600-token prompts in flight: TTFT 1,031 ms with PTX prefill, 405 ms
+# without, H100).
+PTX_MAX_BLOCK_M = 32
 
 
 @triton.jit
@@ -200,3 +211,19 @@ def format_args(w: QuantizedWeight, block_k: int) -> dict:
         per_step = w.block_k % block_k == 0 or w.block_k >= k
         return dict(FORMAT="fp8", SCALE_BLOCK=w.block_k, SCALE_PER_STEP=per_step)
     raise TypeError(f"no Triton MoE kernel reads {type(w).__name__} experts")
+
+
+def mxfp4_path(w: QuantizedWeight, block_m: int = 16) -> str:
+    """How a kernel turns MXFP4 tiles into bf16 operands (moe_gemm_quant.py's docstring;
+    the GEMV, moe_gemv_quant.py, takes "ptx" or decodes by hand):
+    "ptx" (bf16 on a GPU, every scale at most 128, blocks of at most PTX_MAX_BLOCK_M
+    pairs), "mx" (tl.dot_scaled: other bf16 cases), "hand" (other dtypes; not MXFP4).
+    LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where it applies (to compare them)."""
+    if not isinstance(w, Mxfp4Weight):
+        return "hand"
+    if w.dtype != torch.bfloat16:
+        return "hand"
+    max_scale = None if INTERPRETED or w.device.type != "cuda" else w.max_scale()
+    fits = max_scale is not None and max_scale <= 128
+    path = FORCED_MXFP4_PATH or ("ptx" if fits and block_m <= PTX_MAX_BLOCK_M else "mx")
+    return "mx" if path == "ptx" and not fits else path
