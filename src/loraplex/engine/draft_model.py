@@ -2,8 +2,10 @@
 "num_speculative_tokens": k}`): a smaller model with the same vocabulary proposes each
 speculating request's next tokens, greedily, from everything the request has so far.
 
-The draft runs in its own ModelRunner (eager, no adapters: the draft runs bare) with a
-KV cache of as many pages as the target's, indexed by the same page ids: a request's
+The draft runs in its own ModelRunner (with CUDA graphs as the target's, and adapter
+slots of its own) with a KV cache of as many pages as the target's, indexed by the same
+page ids (its weights and cache come out of the memory gpu_memory_utilization leaves
+beside the target's: lower it to make room for a large draft): a request's
 pages hold the target's KV in the target's cache and the draft's in the draft's, so
 the draft needs no block manager of its own, and its positions roll back exactly as
 the target's do. Per request it remembers how many tokens it has computed; before
@@ -51,9 +53,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
-    """The draft's runner config: the draft model in the target's dtype, device and
-    step budget; num_blocks pages (the target's count); no adapters, graphs or cache
-    sharing."""
+    """The draft's runner config: the draft model in the target's dtype, device, step
+    budget, graphs and adapter slots; num_blocks pages (the target's count); no prefix
+    cache of its own (it writes the pages the target's cache shares)."""
     path = config.speculative.model
     try:
         model = model_config(AutoConfig.from_pretrained(path))
@@ -64,8 +66,8 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
                              f"differs from the model's ({config.model.vocab_size})")
     cache = dataclasses.replace(config.cache, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
     lora = LoRAConfig(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
-    return dataclasses.replace(config, model_path=str(path), model=model, cudagraph_mode="NONE",
-                               measure_moe_routing=False, cache=cache, lora=lora, speculative=None)
+    return dataclasses.replace(config, model_path=str(path), model=model, measure_moe_routing=False,
+                               cache=cache, lora=lora, speculative=None)
 
 
 class DraftModel:
