@@ -270,6 +270,23 @@ def test_a_draft_model_changes_no_token_and_its_own_proposals_are_kept(model_dir
             assert sum(g.metrics.num_preemptions for g in got) > 0
 
 
+def test_a_draft_model_that_cannot_serve_is_refused_at_startup(model_dirs, tmp_path):
+    """A draft directory without a model, or with another vocabulary: the engine does
+    not start, and says why."""
+    import transformers
+
+    from loraplex.bench.synthetic import write_random_model
+    from loraplex.errors import ModelLoadError
+
+    other = write_random_model(tmp_path / "other-vocab", transformers.Qwen3Config(
+        vocab_size=77, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=128), 1, None)
+    for draft, error in ((tmp_path / "missing", "not a model directory"), (other, "vocabulary")):
+        with pytest.raises(ModelLoadError, match=error):
+            make_llm(model_dirs["qwen3"], speculative_config={"model": str(draft),
+                                                              "num_speculative_tokens": 2})
+
+
 def _kept_share(outs, loras, adapted: bool) -> float:
     metrics = [o.metrics for o, lora in zip(outs, loras) if (lora is not None) == adapted]
     drafted = sum(m.num_draft_tokens for m in metrics)

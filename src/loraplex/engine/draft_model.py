@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig
 
 from loraplex.adapters.peft import CONFIG_FILE, LoRAAdapter, read_adapter_dir, to_canonical
@@ -57,6 +58,9 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
     budget, graphs and adapter slots; num_blocks pages (the target's count); no prefix
     cache of its own (it writes the pages the target's cache shares)."""
     path = config.speculative.model
+    if not (Path(path) / "config.json").is_file():  # else transformers takes it for a Hub id
+        raise ModelLoadError(f"speculative config: draft model {path}: not a model directory "
+                             f"(no config.json)")
     try:
         model = model_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError) as e:
@@ -72,7 +76,12 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
 
 class DraftModel:
     def __init__(self, config: EngineConfig, num_blocks: int):
-        self.runner = ModelRunner(draft_engine_config(config, num_blocks))
+        try:
+            self.runner = ModelRunner(draft_engine_config(config, num_blocks))
+        except torch.cuda.OutOfMemoryError as e:
+            raise ModelLoadError(f"speculative config: the draft model and its KV cache ({num_blocks} pages) "
+                                 f"do not fit beside the model; lower gpu_memory_utilization "
+                                 f"({config.cache.gpu_memory_utilization})") from e
         self.adapters = (DraftAdapters(self.runner, dict(config.speculative.draft_adapters))
                          if self.runner.lora_slots is not None else None)
         self._loads: dict[int, LoRAAdapter] = {}  # slot -> draft adapter to copy in with the next forward
