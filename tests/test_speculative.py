@@ -287,6 +287,18 @@ def test_a_draft_model_that_cannot_serve_is_refused_at_startup(model_dirs, tmp_p
                                                               "num_speculative_tokens": 2})
 
 
+def test_the_caches_are_sized_together(model_dirs):
+    """The target's runner counts the draft's page beside each of its own: the bytes it
+    sets aside per page are what the draft's cache takes per page."""
+    llm = make_llm(model_dirs["qwen3"], speculative_config={"model": str(model_dirs["llama"]),
+                                                            "num_speculative_tokens": 2})
+    draft = llm.engine.draft_model.runner
+    layers = draft._attention_layers()
+    per_page = sum(t[0].nbytes for layer in layers for t in (layer.k_cache, layer.v_cache))
+    assert llm.engine.runner.shared_page_bytes == per_page > 0
+    assert draft.num_blocks == llm.engine.runner.num_blocks
+
+
 def _kept_share(outs, loras, adapted: bool) -> float:
     metrics = [o.metrics for o, lora in zip(outs, loras) if (lora is not None) == adapted]
     drafted = sum(m.num_draft_tokens for m in metrics)

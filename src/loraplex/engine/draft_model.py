@@ -4,8 +4,8 @@ speculating request's next tokens, greedily, from everything the request has so 
 
 The draft runs in its own ModelRunner (with CUDA graphs as the target's, and adapter
 slots of its own) with a KV cache of as many pages as the target's, indexed by the same
-page ids (its weights and cache come out of the memory gpu_memory_utilization leaves
-beside the target's: lower it to make room for a large draft): a request's
+page ids (the target's runner sizes its cache leaving room for the draft's weights and
+a draft page beside each of its own: draft_memory): a request's
 pages hold the target's KV in the target's cache and the draft's in the draft's, so
 the draft needs no block manager of its own, and its positions roll back exactly as
 the target's do. Per request it remembers how many tokens it has computed; before
@@ -41,7 +41,7 @@ import torch
 from transformers import AutoConfig
 
 from loraplex.adapters.peft import CONFIG_FILE, LoRAAdapter, read_adapter_dir, to_canonical
-from loraplex.config import EngineConfig, LoRAConfig
+from loraplex.config import EngineConfig, LoRAConfig, ModelConfig
 from loraplex.engine.request import Request
 from loraplex.errors import ModelLoadError
 from loraplex.models.registry import model_config
@@ -53,10 +53,8 @@ logger = logging.getLogger("loraplex")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
-def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
-    """The draft's runner config: the draft model in the target's dtype, device, step
-    budget, graphs and adapter slots; num_blocks pages (the target's count); no prefix
-    cache of its own (it writes the pages the target's cache shares)."""
+def draft_model_config(config: EngineConfig) -> ModelConfig:
+    """The draft model's config, checked: a model directory, the target's vocabulary."""
     path = config.speculative.model
     if not (Path(path) / "config.json").is_file():  # else transformers takes it for a Hub id
         raise ModelLoadError(f"speculative config: draft model {path}: not a model directory "
@@ -68,6 +66,26 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
     if model.vocab_size != config.model.vocab_size:
         raise ModelLoadError(f"speculative config: the draft model's vocabulary ({model.vocab_size} tokens) "
                              f"differs from the model's ({config.model.vocab_size})")
+    return model
+
+
+def draft_memory(config: EngineConfig) -> tuple[int, int]:
+    """(bytes of each of the draft's KV pages, bytes of its weight files): what the
+    target's runner leaves for the draft when it sizes its own cache (each page id then
+    costs both caches). Weights are counted as stored (none under dummy weights)."""
+    model = draft_model_config(config)
+    itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+    per_page = 2 * model.num_layers * config.cache.block_size * model.kv_size * itemsize
+    weights = sum(f.stat().st_size for f in Path(config.speculative.model).glob("*.safetensors"))
+    return per_page, weights if config.load_format != "dummy" else 0
+
+
+def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
+    """The draft's runner config: the draft model in the target's dtype, device, step
+    budget, graphs and adapter slots; num_blocks pages (the target's count); no prefix
+    cache of its own (it writes the pages the target's cache shares)."""
+    path = config.speculative.model
+    model = draft_model_config(config)
     cache = dataclasses.replace(config.cache, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
     lora = LoRAConfig(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
     return dataclasses.replace(config, model_path=str(path), model=model, measure_moe_routing=False,

@@ -53,8 +53,13 @@ logger = logging.getLogger("loraplex")
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 shared_page_bytes: int = 0, reserved_bytes: int = 0):
+        """shared_page_bytes: what each KV page also costs elsewhere (a draft model's
+        cache indexed by the same page ids); reserved_bytes: device memory to leave for
+        weights loaded after this runner sizes its cache (the draft model's)."""
         self.config = config
+        self.shared_page_bytes, self.reserved_bytes = shared_page_bytes, reserved_bytes
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.model = self._load_model()
@@ -189,14 +194,15 @@ class ModelRunner:
         layers = self._attention_layers()
         bs = cfg.cache.block_size
         per_block = 2 * len(layers) * bs * cfg.model.kv_size * self.dtype.itemsize
+        cost = per_block + self.shared_page_bytes  # a page here and its twin elsewhere
         # More pages than max_num_seqs full-length sequences can never be used.
         useful = cfg.scheduler.max_num_seqs * cfg.max_blocks_per_seq
         if cfg.cache.num_gpu_blocks_override is not None:
             num_blocks = cfg.cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            num_blocks = min(useful, self._profile_free_memory() // per_block)
+            num_blocks = min(useful, max(0, self._profile_free_memory() - self.reserved_bytes) // cost)
         else:
-            num_blocks = min(useful, cfg.cache.cpu_kv_cache_bytes // per_block)
+            num_blocks = min(useful, max(0, cfg.cache.cpu_kv_cache_bytes - self.reserved_bytes) // cost)
         if num_blocks < cfg.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks * bs} tokens, less than max_model_len="
