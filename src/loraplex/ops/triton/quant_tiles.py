@@ -87,6 +87,15 @@ def mxfp4_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH
     BLOCK_KH of KH = K / 2 (k = 2 j0 ..), each [BLOCK_KH, N]: what a GEMM multiplies with
     the activations' even and odd columns (two dots, no interleaving shuffle). The step's
     BLOCK_KH / 16 scales per column are loaded once and broadcast over their 16 bytes."""
+    data, scale = mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH, EVEN_K)
+    return mxfp4_values(data.to(tl.int32), per_byte(scale).to(tl.int32), like_ptr, UPCAST)
+
+
+@triton.jit
+def mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """The step's bytes j0 .. j0 + BLOCK_KH of W.T, [BLOCK_KH, N] uint8, and their e8m0
+    scales, [BLOCK_KH / 16, N] (one per 16 bytes; masked ones 127, i.e. 1)."""
     j = j0 + tl.arange(0, BLOCK_KH)
     g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
     if EVEN_K:
@@ -96,9 +105,15 @@ def mxfp4_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH
         data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
         scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
                         other=127)
-    n: tl.constexpr = data.shape[1]
-    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_KH // 16, 16, n)), (BLOCK_KH, n))
-    return mxfp4_values(data.to(tl.int32), scale.to(tl.int32), like_ptr, UPCAST)
+    return data, scale
+
+
+@triton.jit
+def per_byte(group_values):
+    """[G, N] values of 16-byte groups -> [16 G, N], each repeated over its group's bytes."""
+    g: tl.constexpr = group_values.shape[0]
+    n: tl.constexpr = group_values.shape[1]
+    return tl.reshape(tl.broadcast_to(group_values[:, None, :], (g, 16, n)), (16 * g, n))
 
 
 # Two bytes -> the bf16x2 of their low (or high) nibbles, bits placed, not computed: an
@@ -140,19 +155,9 @@ def mxfp4_bf16_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLO
     """mxfp4_cols for bf16 operands on a GPU, decoded by _E2M1_PAIRS_ASM: (W.T at the
     even k, W.T at the odd k), each [BLOCK_KH, N] bf16, dequantize's values exactly.
     Needs every scale at most 128 (2^(s - 1) a normal bf16: Mxfp4Weight.max_scale)."""
-    j = j0 + tl.arange(0, BLOCK_KH)
-    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
-    if EVEN_K:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :], other=127)
-    else:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
-                        other=127)
-    n: tl.constexpr = data.shape[1]
+    data, scale = mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH, EVEN_K)
     mult = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
-    mult = tl.reshape(tl.broadcast_to(mult[:, None, :], (BLOCK_KH // 16, 16, n)), (BLOCK_KH, n))
-    return tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [data, mult],
+    return tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [data, per_byte(mult)],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
