@@ -42,6 +42,9 @@ def test_config_parses_vllm_json():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
     ({"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to ngram"),
     ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "applies to draft_model"),
+    ({"num_speculative_tokens": 2, "draft_adapters": {"a": "/d"}}, "applies to draft_model"),
+    ({"model": "/m", "num_speculative_tokens": 2, "draft_adapters": ["/d"]}, "draft_adapters maps"),
+    ({"model": "/m", "num_speculative_tokens": 2, "draft_adapters": {"a": ""}}, "draft_adapters maps"),
 ])
 def test_config_refuses_what_it_cannot_honour(spec, error):
     with pytest.raises(InvalidRequest, match=error):
@@ -387,6 +390,9 @@ def test_server_speculates_and_reports_it(chat_model):
                                                                              "speculate": False})
         assert plain.choices[0].text == want.text
         assert plain.model_extra["loraplex"]["speculated_tokens"] == 0
+        bad = httpx.post(server.url + "/v1/completions", json={
+            "model": str(chat_model), "prompt": prompt, "max_tokens": 4, "speculate": "maybe"})
+        assert bad.status_code == 400 and "speculate" in bad.json()["error"]["message"], bad.text
         text = httpx.get(server.url + "/metrics").text
         assert "loraplex_spec_decode_draft_tokens_total" in text
         assert "loraplex_spec_decode_accepted_tokens_total" in text

@@ -69,23 +69,22 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
     return model
 
 
-def draft_memory(config: EngineConfig) -> tuple[int, int]:
-    """(bytes of each of the draft's KV pages, bytes of its weight files): what the
-    target's runner leaves for the draft when it sizes its own cache (each page id then
-    costs both caches). Weights are counted as stored (none under dummy weights)."""
-    model = draft_model_config(config)
-    itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+def draft_memory(config: EngineConfig, model: ModelConfig) -> tuple[int, int]:
+    """(bytes of each of the draft's KV pages, bytes of its weight files) for the draft
+    `model`: what the target's runner leaves for the draft when it sizes its own cache
+    (each page id then costs both caches). Weights are counted as stored (none under
+    dummy weights)."""
+    itemsize = getattr(torch, config.dtype).itemsize
     per_page = 2 * model.num_layers * config.cache.block_size * model.kv_size * itemsize
     weights = sum(f.stat().st_size for f in Path(config.speculative.model).glob("*.safetensors"))
     return per_page, weights if config.load_format != "dummy" else 0
 
 
-def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
-    """The draft's runner config: the draft model in the target's dtype, device, step
+def draft_engine_config(config: EngineConfig, model: ModelConfig, num_blocks: int) -> EngineConfig:
+    """The draft's runner config: the draft `model` in the target's dtype, device, step
     budget, graphs and adapter slots; num_blocks pages (the target's count); no prefix
     cache of its own (it writes the pages the target's cache shares)."""
     path = config.speculative.model
-    model = draft_model_config(config)
     cache = dataclasses.replace(config.cache, num_gpu_blocks_override=num_blocks, enable_prefix_caching=False)
     lora = LoRAConfig(max_loras=config.lora.max_loras, max_lora_rank=config.lora.max_lora_rank)
     return dataclasses.replace(config, model_path=str(path), model=model, measure_moe_routing=False,
@@ -93,9 +92,10 @@ def draft_engine_config(config: EngineConfig, num_blocks: int) -> EngineConfig:
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int):
+        """model: draft_model_config(config)."""
         try:
-            self.runner = ModelRunner(draft_engine_config(config, num_blocks))
+            self.runner = ModelRunner(draft_engine_config(config, model, num_blocks))
         except torch.cuda.OutOfMemoryError as e:
             raise ModelLoadError(f"speculative config: the draft model and its KV cache ({num_blocks} pages) "
                                  f"do not fit beside the model; lower gpu_memory_utilization "

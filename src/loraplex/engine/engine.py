@@ -22,7 +22,7 @@ from loraplex.adapters.sources import DiskCache
 from loraplex.config import EngineConfig, cache_root
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from loraplex.engine.draft_model import DraftModel, draft_memory
+from loraplex.engine.draft_model import DraftModel, draft_memory, draft_model_config
 from loraplex.engine.parallel import ParentRequest, child_id
 from loraplex.engine.request import Request
 from loraplex.engine.scheduler import Scheduler
@@ -65,10 +65,11 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         spec = config.speculative
-        drafts = spec is not None and spec.method == "draft_model"
+        draft = draft_model_config(config) if spec is not None and spec.method == "draft_model" else None
         # A draft model's cache takes the target's page ids: sized together (draft_model.py).
-        self.runner = ModelRunner(config, self.eos_token_ids, *(draft_memory(config) if drafts else (0, 0)))
-        self.draft_model = DraftModel(config, self.runner.num_blocks) if drafts else None
+        shared_page_bytes, reserved_bytes = draft_memory(config, draft) if draft else (0, 0)
+        self.runner = ModelRunner(config, self.eos_token_ids, shared_page_bytes, reserved_bytes)
+        self.draft_model = DraftModel(config, draft, self.runner.num_blocks) if draft else None
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
         if self.adapters is not None:
             # Loader threads run short Python stretches between GIL-free reads and checks.
