@@ -35,6 +35,9 @@ from benchmarks import harness
 # Standard-library modules whose source makes the passages (plain Python text, in every
 # installation).
 PASSAGE_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "string", "glob")
+# A step's parts (benchmarks.harness.StepLog): the engine's whole step, host time in
+# runner.launch, the device's time for the step's work.
+STEP_PARTS = ("wall_ms", "launch_ms", "device_ms")
 
 
 def build_parser():
@@ -96,12 +99,14 @@ def quote(args) -> dict:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         for c in args.concurrency:
             before = llm.engine.stats()
-            rates = []
+            rates, steps = [], []
             for first in range(0, len(prompts), c):
                 batch = [prompts[(first + j) % len(prompts)] for j in range(c)]
                 adapters = [loras[(first + j) % len(loras)] for j in range(c)]
-                outs = llm.generate(batch, sp, adapters, use_tqdm=False)
+                with harness.StepLog(llm.engine) as log:
+                    outs = llm.generate(batch, sp, adapters, use_tqdm=False)
                 rates += [tokens_per_second(o) for o in outs]
+                steps += log.steps()
             after = llm.engine.stats()
             drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
             kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
@@ -109,17 +114,20 @@ def quote(args) -> dict:
             results[f"{label} c{c}"] = {
                 "tokens_per_s_per_request": statistics.median(rates),
                 "acceptance_rate": kept / drafted if drafted else None,
-                "tokens_per_verified_step": 1 + kept / verified if verified else None}
+                "tokens_per_verified_step": 1 + kept / verified if verified else None,
+                # Medians over steps.
+                **{f"step_{key}": statistics.median(s[key] for s in steps) for key in STEP_PARTS}}
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     print(f"{'in flight':>9s} {'plain tok/s':>12s} {'ngram tok/s':>12s} {'speedup':>8s} {'kept':>6s} "
-          f"{'per step':>9s}")
+          f"{'per step':>9s}   step ms plain / ngram: wall, launch, device")
     for c in args.concurrency:
         p, s = results[f"plain c{c}"], results[f"ngram c{c}"]
         print(f"{c:9d} {p['tokens_per_s_per_request']:12.1f} {s['tokens_per_s_per_request']:12.1f} "
               f"{s['tokens_per_s_per_request'] / p['tokens_per_s_per_request']:8.2f} "
-              f"{s['acceptance_rate'] or 0:6.1%} {s['tokens_per_verified_step'] or 1:9.2f}")
+              f"{s['acceptance_rate'] or 0:6.1%} {s['tokens_per_verified_step'] or 1:9.2f}   "
+              + " / ".join(", ".join(f"{r[f'step_{key}']:.2f}" for key in STEP_PARTS) for r in (p, s)))
     return results
 
 

@@ -150,19 +150,21 @@ def attention_shared_memory() -> dict:
                       stride_qt=d * 32, stride_qh=d, stride_qd=1, stride_bt=32, GROUP=const(group),
                       HEAD_DIM=const(d), BLOCK_D=const(d), PAGE=const(page), USE_WINDOW=const(False),
                       **cache, **prec)
-        for kind, q_len in (("prefill", 2), ("decode", 1)):
+        # Chunks of any length; a decode token; a verified proposal of 4 tokens.
+        for kind, q_len in (("prefill", 64), ("decode", 1), ("verify", 5)):
             cfg = pa.attention_config(q_len, group, d * size)
             args = dict(out_ptr=ptr, sinks_ptr=ptr, stride_ot=d * 32, stride_oh=d, stride_od=1,
                         BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]), USE_SINKS=const(True),
-                        num_seqs=33, ONE_TOKEN=const(kind == "decode"), **common)
+                        num_seqs=33, ONE_TILE=const(kind != "prefill"), **common)
             out[f"attention {kind} {dtype} d{d}"] = compile_sm90(
                 pa._paged_attention_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
-        cfg = pd.decode_config(group, d * size)
-        args = dict(acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", splits=4, num_heads=32,
-                    BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
-                    PARTITION=const(pd.PARTITION_SIZE), **common)
-        out[f"split decode {dtype} d{d}"] = compile_sm90(
-            pd._decode_split_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
+        for kind, q_len in (("decode", 1), ("verify", 5)):
+            cfg = pd.decode_config(group, d * size, q_len)
+            args = dict(acc_ptr="*fp32", max_ptr="*fp32", sum_ptr="*fp32", splits=4, num_heads=32,
+                        BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]), QUERY_LEN=const(q_len),
+                        PARTITION=const(pd.PARTITION_SIZE), **common)
+            out[f"split {kind} {dtype} d{d}"] = compile_sm90(
+                pd._decode_split_kernel, args, cfg["num_warps"], cfg["num_stages"]).metadata.shared
     return out
 
 

@@ -225,7 +225,8 @@ class _EagerGraphs:
         from loraplex.runner.cuda_graphs import StepGraphs
 
         self.graphs = StepGraphs(runner.model, runner.inputs, max_batch,
-                                 runner.config.scheduler.max_num_batched_tokens, True)
+                                 runner.config.scheduler.max_num_batched_tokens, True,
+                                 short_chunks=runner._short_chunk_graphs(max_batch))
         self.model, self.shapes = runner.model, []
         prepare = runner.inputs.prepare
 
@@ -235,8 +236,8 @@ class _EagerGraphs:
 
         runner.inputs.prepare = remember
 
-    def shape_for(self, num_tokens, num_seqs):
-        return self.graphs.shape_for(num_tokens, num_seqs)
+    def shape_for(self, num_tokens, num_seqs, max_query_len):
+        return self.graphs.shape_for(num_tokens, num_seqs, max_query_len)
 
     def replay(self, shape, with_lora):
         from loraplex.layers.context import ForwardContext, forward_context
@@ -246,6 +247,26 @@ class _EagerGraphs:
         self.shapes.append((shape, int(self.num_tokens < shape.tokens)))
         with forward_context(ForwardContext(attn=step.attn, lora=step.lora)):
             return self.model(step.input_ids, step.positions)
+
+
+def test_verification_steps_padded_to_a_short_chunk_graph_change_no_token(model_dirs, adapter_dirs):
+    """Speculation's verification steps padded as their short-chunk graph runs them
+    (one-token padding sequences, then empty ones) give the tokens of unpadded steps,
+    base rows beside adapters."""
+    prompts = [([7 + i, 40 + i, 90, 13 + 2 * i] * 4)[: 9 + i] for i in range(3)]  # n-gram matches
+    prompts += random_prompts(3, (5, 20), seed=11)
+    loras = _loras(adapter_dirs, "llama", len(prompts))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(dtype="float32", enforce_eager=True, speculative_config={"method": "ngram",
+                                                                       "num_speculative_tokens": 3})
+    expected = make_llm(model_dirs["llama"], **kw).generate(prompts, sp, loras)
+    llm = make_llm(model_dirs["llama"], **kw)
+    graphs = llm.engine.runner.graphs = _EagerGraphs(llm.engine.runner, max_batch=6)
+    got = llm.generate(prompts, sp, loras)
+    assert any(shape.query_len == 4 and padded for shape, padded in graphs.shapes), graphs.shapes
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -281,21 +302,28 @@ def test_steps_padded_to_a_graph_shape_change_no_token(model_dirs, adapter_dirs,
 
 
 def test_graph_shape_for_each_step():
-    """Decode steps get the smallest decode graph that holds them, other steps the
-    mixed graph of their token count rounded up to 64, holding max_num_seqs + 1
-    sequences; a mixed graph never stands for a decode one, even at equal sizes."""
+    """Decode steps get the smallest decode graph that holds them, steps of chunks no
+    longer than a short-chunk graph's (speculative verification) the smallest of those
+    holding their tokens, other steps the mixed graph of their token count rounded up to
+    64, holding max_num_seqs + 1 sequences; a mixed graph never stands for a decode one,
+    even at equal sizes."""
     from types import SimpleNamespace
 
     from loraplex.runner.batch_meta import GraphShape
     from loraplex.runner.cuda_graphs import StepGraphs
 
     graphs = StepGraphs(model=None, inputs=SimpleNamespace(mixed_graph_seqs=64), max_batch=63,
-                        max_tokens=1000, with_lora=False)
+                        max_tokens=1000, with_lora=False, short_chunks=(5, 127))
     assert graphs.decode_sizes == [1, 2, 4, 8, 16, 32, 48, 63]
+    assert graphs.short_sizes == [2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 127]
     assert graphs.mixed_sizes[:2] == [64, 128] and graphs.mixed_sizes[-2:] == [960, 1000]
-    assert graphs.shape_for(5, 5) == GraphShape(8, 8, decode=True)
-    assert graphs.shape_for(64, 3) == GraphShape(64, 64, decode=False)
-    assert graphs.shape_for(64, 64) is None  # 64 decodes: no decode graph, no padding sequence
-    assert graphs.shape_for(63, 63) == GraphShape(63, 63, decode=True)
-    assert graphs.shape_for(65, 40) == GraphShape(128, 64, decode=False)
-    assert graphs.shape_for(1001, 40) is None  # past the largest: eager
+    assert graphs.shape_for(5, 5, 1) == GraphShape(8, 8, 1)
+    assert graphs.shape_for(64, 3, 40) == GraphShape(64, 64, None)
+    assert graphs.shape_for(64, 64, 1) is None  # 64 decodes: no decode graph, no padding sequence
+    assert graphs.shape_for(63, 63, 1) == GraphShape(63, 63, 1)
+    assert graphs.shape_for(65, 40, 30) == GraphShape(128, 64, None)
+    assert graphs.shape_for(1001, 40, 30) is None  # past the largest: eager
+    assert graphs.shape_for(9, 3, 5) == GraphShape(16, 16, 5)  # verification: up to k + 1 tokens
+    assert graphs.shape_for(120, 40, 4) == GraphShape(127, 127, 5)
+    assert graphs.shape_for(9, 3, 6) == GraphShape(64, 64, None)  # a longer chunk: mixed
+    assert graphs.shape_for(128, 40, 5) == GraphShape(128, 64, None)  # past the largest short graph

@@ -260,6 +260,32 @@ def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_s
     assert splits == min(max_splits, math.ceil(min(30 * 4, (window or 999) + 15) / 16)) > 1
 
 
+# Short chunks (decodes, verified proposals), padding after them: one-token sequences of no
+# context (a CUDA graph's) and an empty sequence.
+SHORT_CHUNKS = [(4, 5), (15, 1), (0, 3), (70, 5), (31, 2), (47, 8), (11, 4), None, None, (None, 0)]
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("group,head_dim,window,max_splits", [(1, 64, None, 64), (4, 128, None, 64),
+                                                              (8, 80, 21, 2), (4, 64, 37, 64)])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "single-pass"])
+def test_paged_attention_short_chunks(backend, monkeypatch, split, group, head_dim, window, max_splits,
+                                      sinks):
+    """Steps whose chunks have at most SHORT_QUERY_MAX tokens (speculative verification)
+    take the decode kernels with a sequence's tokens and heads in one tile: through the
+    split-KV kernels (16-token partitions, so that contexts split, each token seeing its
+    own causal span of them) and through the single-pass kernel, one tile a sequence."""
+    from loraplex.ops.triton import paged_decode
+
+    if split:
+        monkeypatch.setattr(paged_decode, "PARTITION_SIZE", 16)
+        monkeypatch.setattr(paged_decode, "MAX_SPLITS", max_splits)
+    batch = check_paged_attention(SHORT_CHUNKS, window, torch.float32, num_heads=2 * group, num_kv=2,
+                                  head_dim=head_dim, table_width=30 if split else None, sinks=sinks)
+    assert batch.max_query_len == paged_decode.SHORT_QUERY_MAX
+    assert (paged_decode.num_splits(batch, 4, 2, window) > 1) == split
+
+
 def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, block_size=4,
                           table_width=None, sinks=False) -> AttentionBatch:
     """Write each sequence's new keys/values into scattered pages, run paged_attention,

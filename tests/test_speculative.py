@@ -15,7 +15,7 @@ from loraplex import LoRARequest, SamplingParams
 from loraplex.config import SpeculativeConfig
 from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
-from loraplex.runner.rejection import rejection_sample
+from loraplex.runner.rejection import greedy_verify, rejection_sample
 
 # -- configuration -------------------------------------------------------------------------
 
@@ -109,19 +109,27 @@ def _one_hot_probs(argmaxes: list[list[int]], vocab: int) -> torch.Tensor:
     return probs
 
 
-def test_greedy_rows_keep_proposals_while_they_are_the_argmax():
+def _verify_greedy(how: str, probs: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor):
+    """Greedy rows through rejection_sample, or through greedy_verify (from logits)."""
+    if how == "greedy_verify":
+        return greedy_verify(probs.log(), drafts, num)
+    return rejection_sample(probs, drafts, num, greedy=torch.ones(len(num), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("how", ["rejection_sample", "greedy_verify"])
+def test_greedy_rows_keep_proposals_while_they_are_the_argmax(how):
     probs = _one_hot_probs([[3, 1, 4, 2], [3, 1, 4, 2], [3, 1, 4, 2], [5, 5, 5, 5]], vocab=8)
     drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [6, 1, 4], [5, 5, 5]])
     num = torch.tensor([3, 3, 3, 1])  # the last row proposed one token only
-    out = rejection_sample(probs, drafts, num, greedy=torch.ones(4, dtype=torch.bool))
+    out = _verify_greedy(how, probs, drafts, num)
     assert out.num_accepted.tolist() == [3, 1, 0, 1]
     assert out.token_ids.tolist() == [[3, 1, 4, 2], [3, 1, -1, -1], [3, -1, -1, -1], [5, 5, -1, -1]]
 
 
-def test_no_proposals_is_plain_decoding():
+@pytest.mark.parametrize("how", ["rejection_sample", "greedy_verify"])
+def test_no_proposals_is_plain_decoding(how):
     probs = _one_hot_probs([[2], [6]], vocab=8)
-    out = rejection_sample(probs, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long),
-                           greedy=torch.tensor([True, True]))
+    out = _verify_greedy(how, probs, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long))
     assert out.num_accepted.tolist() == [0, 0] and out.token_ids.tolist() == [[2], [6]]
 
 
@@ -537,7 +545,7 @@ def test_proposals_never_kept_stop_and_probes_bring_them_back():
 def test_a_step_proposes_at_most_its_draft_room():
     """Forty decoding requests at k = 4 propose DRAFT_TOKENS_PER_STEP tokens a step,
     not 160."""
-    from loraplex.engine.speculative import DRAFT_TOKENS_PER_STEP
+    from loraplex.config import DRAFT_TOKENS_PER_STEP
 
     sched, reqs = _spec_scheduler(k=4, requests=40)
     _step(sched, keep=True)

@@ -368,6 +368,12 @@ CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+# Proposed tokens per step, over all requests: past it, large batches verify less (a
+# step of many sequences is no longer bound by reading the weights, and each verified
+# token costs nearly as much as a decoded one).
+DRAFT_TOKENS_PER_STEP = 64
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (vLLM's --speculative-config): each step proposes up to
@@ -385,6 +391,11 @@ class SpeculativeConfig:
     # draft_model: adapter name -> the draft model's adapter for requests naming it (else
     # an adapter directory's draft/ subdirectory, else the draft runs bare).
     draft_adapters: tuple[tuple[str, str], ...] = ()
+
+    def max_step_tokens(self, num_seqs: int) -> int:
+        """The most tokens a step of num_seqs decoding sequences verifies: a token each
+        and their proposals, at most DRAFT_TOKENS_PER_STEP of them."""
+        return num_seqs + min(num_seqs * self.num_speculative_tokens, DRAFT_TOKENS_PER_STEP)
 
     @classmethod
     def parse(cls, spec: str | dict | None) -> SpeculativeConfig | None:

@@ -23,10 +23,10 @@ import time
 from collections import deque
 
 from loraplex.adapters.slot_table import SlotTable
-from loraplex.config import SchedulerConfig, SpeculativeConfig
+from loraplex.config import DRAFT_TOKENS_PER_STEP, SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import DRAFT_TOKENS_PER_STEP, NgramIndex, speculates
+from loraplex.engine.speculative import NgramIndex, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 

@@ -46,10 +46,8 @@ FULL_LENGTH_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
 PROBE_PERIOD = 8
 MAX_PROBE_PERIOD = 128
-# Proposed tokens per step, over all requests: past it, large batches verify less (a
-# step of many sequences is no longer bound by reading the weights, and each verified
-# token costs nearly as much as a decoded one).
-DRAFT_TOKENS_PER_STEP = 64
+# Proposed tokens per step, over all requests: config.DRAFT_TOKENS_PER_STEP (the runner
+# captures graphs for steps of that size).
 
 
 def draft_length(k: int, acceptance: float, probe: bool = False) -> int:

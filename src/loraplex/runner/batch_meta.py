@@ -7,8 +7,9 @@ pass; ops receive views of the device buffers, so their addresses never change a
 step can be replayed from a CUDA graph.
 
 A step replayed from a graph is padded to the graph's shape (`GraphShape`). A decode
-graph's padding is one-token sequences; a mixed graph's (prefill chunks and decodes) is
-one sequence holding every padding token, then empty sequences up to the graph's count.
+graph's padding is one-token sequences, and so is a short-chunk graph's (verification of
+speculated tokens), then empty sequences up to its count; a mixed graph's (prefill chunks
+and decodes) is one sequence holding every padding token, then empty sequences.
 Padding tokens have no context, no KV slot and no adapter: their attention rows are zero
 and they change nothing else.
 """
@@ -27,12 +28,22 @@ from loraplex.types import StepPlan
 @dataclass(frozen=True)
 class GraphShape:
     """The padded shape a CUDA graph was captured for: `tokens` tokens in `seqs`
-    sequences; a decode graph has one token per sequence, padded with one-token
-    sequences, a mixed one chunks of any length, padded as InputBuffers._pad says."""
+    sequences of at most `query_len` tokens each: 1 in a decode graph, a few in a
+    short-chunk graph (seqs == tokens for both), None (any) in a mixed graph. Padded as
+    InputBuffers._pad says."""
 
     tokens: int
     seqs: int
-    decode: bool
+    query_len: int | None
+
+    @property
+    def decode(self) -> bool:
+        return self.query_len == 1
+
+    @property
+    def short(self) -> bool:
+        """Decode or short chunks: padded with one-token sequences."""
+        return self.query_len is not None
 
 
 @dataclass
@@ -78,18 +89,20 @@ class _Buffer:
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 max_loras: int, block_size: int, device: torch.device):
+                 max_loras: int, block_size: int, device: torch.device, max_graph_seqs: int = 0):
+        """max_graph_seqs: the most sequences of a short-chunk graph (one per token)."""
         self.block_size = block_size
         self.max_loras = max_loras
         # A mixed graph holds every sequence a step may have, and its padding sequence.
         self.mixed_graph_seqs = max_seqs + 1
+        rows = max(max_seqs + 1, max_graph_seqs)
         i32, i64 = torch.int32, torch.int64
         self.input_ids = _Buffer(max_tokens, i64, device)
         self.positions = _Buffer(max_tokens, i64, device)
         self.slot_mapping = _Buffer(max_tokens, i64, device)
-        self.query_start_loc = _Buffer(max_seqs + 2, i32, device)
-        self.seq_lens = _Buffer(max_seqs + 1, i32, device)
-        self.block_tables = _Buffer((max_seqs + 1, max_blocks_per_seq), i32, device)
+        self.query_start_loc = _Buffer(rows + 1, i32, device)
+        self.seq_lens = _Buffer(rows, i32, device)
+        self.block_tables = _Buffer((rows, max_blocks_per_seq), i32, device)
         self.sample_rows = _Buffer(max_seqs, i64, device)
         self.token_slot = _Buffer(max_tokens, i32, device)
         self.sorted_token_ids = _Buffer(max_tokens, i64, device)
@@ -141,11 +154,10 @@ class InputBuffers:
         self.seq_lens.np[:num_seqs] = seq_lens
         max_query_len = max(c.num_tokens for c in plan.chunks)
         if graph is not None:
-            assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.decode, (plan, graph)
-            assert num_tokens == num_seqs or not graph.decode, "a decode graph runs one token per sequence"
+            assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.short, (plan, graph)
+            assert max_query_len <= (graph.query_len or graph.tokens), "chunks longer than the graph's"
             self._pad(num_tokens, num_seqs, graph)
-            if not graph.decode:
-                max_query_len = graph.tokens  # as captured: the kernels for chunks of any length
+            max_query_len = graph.query_len or graph.tokens  # as captured: the kernels it chose
             num_tokens, num_seqs = graph.tokens, graph.seqs
             # Host copies as the graph sees the batch (real sequences first, then padding).
             qsl = self.query_start_loc.np[: num_seqs + 1].tolist()
@@ -173,15 +185,19 @@ class InputBuffers:
     def _pad(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
         """Pad a batch of num_tokens tokens in num_seqs sequences to `graph`'s shape. The
         padding tokens have no KV slot and no adapter; they are one-token sequences of no
-        context in a decode graph, and one sequence of no context in a mixed graph, after
-        which the graph's remaining sequences are empty. Either way they attend to nothing."""
+        context in a decode or short-chunk graph, and one sequence of no context in a
+        mixed graph, after which the graph's remaining sequences are empty. Either way
+        they attend to nothing."""
         tokens = slice(num_tokens, graph.tokens)
         self.input_ids.np[tokens] = 0
         self.positions.np[tokens] = 0
         self.slot_mapping.np[tokens] = -1
         self.token_slot.np[tokens] = -1
         ends = self.query_start_loc.np[num_seqs + 1 : graph.seqs + 1]
-        ends[:] = np.arange(num_tokens + 1, graph.tokens + 1) if graph.decode else graph.tokens
+        if graph.short:
+            ends[:] = np.minimum(np.arange(num_tokens + 1, num_tokens + 1 + len(ends)), graph.tokens)
+        else:
+            ends[:] = graph.tokens
         self.seq_lens.np[num_seqs : graph.seqs] = 0
 
     def graph_inputs(self, graph: GraphShape, with_lora: bool) -> StepInputs:
@@ -206,8 +222,8 @@ class InputBuffers:
             block_tables=self.block_tables.upload(graph.seqs, self.block_tables.np.shape[1]),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=[0] * graph.seqs,
-            # Picks the kernels: one token per sequence, or chunks of any length.
-            max_query_len=1 if graph.decode else size,
+            # Picks the kernels: one token per sequence, a few, or chunks of any length.
+            max_query_len=graph.query_len or size,
             max_seq_len=0,
         )
         self.slot_ranks.np[:] = 0

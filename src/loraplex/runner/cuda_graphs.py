@@ -1,10 +1,13 @@
-"""Steps replayed from CUDA graphs: decode steps and mixed steps (prefill chunks + decodes).
+"""Steps replayed from CUDA graphs: decode steps, steps of short chunks (speculative
+verification: k + 1 tokens a sequence) and mixed steps (prefill chunks + decodes).
 
 A step launches hundreds of kernels; replaying them from a graph removes the host's
 launch cost (15-50 us per call into torch or Triton), so the host can never be what a
 step waits for, however busy its other threads are (adapter loads). Decode graphs are
-captured per padded batch size; mixed graphs per padded token count, each holding every
-sequence a step may have. Every graph exists with and without the LoRA kernels (steps
+captured per padded batch size; short-chunk graphs per padded token count, with one
+sequence per token at most (their attention takes the decode kernels, a sequence's tokens
+in one tile: ops/triton/paged_decode.py); mixed graphs per padded token count, each
+holding every sequence a step may have. Every graph exists with and without the LoRA kernels (steps
 with no adapter skip them). All inputs live in the runner's static buffers, including the
 adapter slots and token groups, and every kernel finds its work from device tensors
 (ops.triton.segment_tiles), so one graph serves any mix of chunk lengths, adapters and
@@ -50,13 +53,17 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
                  max_tokens: int | None, with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
-                 moe_stats: torch.Tensor | None = None):
-        """max_tokens: the largest mixed step to capture; None: decode graphs only."""
+                 moe_stats: torch.Tensor | None = None, short_chunks: tuple[int, int] | None = None):
+        """max_tokens: the largest mixed step to capture; None: decode graphs only.
+        short_chunks: (most tokens a chunk, most tokens a step) of the short-chunk graphs
+        to capture (speculative verification), or None."""
         self.model = model
         self.moe_stats = moe_stats
         self.aux_stream = aux_stream
         self.inputs = inputs
         self.decode_sizes = graph_batch_sizes(max_batch)
+        self.short_query_len, max_short = short_chunks or (0, 0)
+        self.short_sizes = [s for s in graph_batch_sizes(max_short) if s > 1] if short_chunks else []
         self.mixed_sizes = mixed_graph_sizes(max_tokens) if max_tokens else []
         self.lora_variants = (False, True) if with_lora else (False,)
         self._graphs: dict[tuple[GraphShape, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -77,8 +84,9 @@ class StepGraphs:
     def _capture(self) -> None:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        shapes = [GraphShape(s, s, decode=True) for s in self.decode_sizes]
-        shapes += [GraphShape(t, self.inputs.mixed_graph_seqs, decode=False) for t in self.mixed_sizes]
+        shapes = [GraphShape(s, s, 1) for s in self.decode_sizes]
+        shapes += [GraphShape(t, t, self.short_query_len) for t in self.short_sizes]
+        shapes += [GraphShape(t, self.inputs.mixed_graph_seqs, None) for t in self.mixed_sizes]
         # Largest first: smaller graphs reuse its memory.
         for shape in sorted(shapes, key=lambda g: g.tokens, reverse=True):
             for lora in self.lora_variants:
@@ -86,7 +94,7 @@ class StepGraphs:
                 # The LoRA shrink beside the base GEMM on the side stream pays in decode
                 # (skinny GEMMs leave the GPU idle); in larger steps it gained nothing.
                 ctx = ForwardContext(attn=step.attn, lora=step.lora,
-                                     aux_stream=self.aux_stream if shape.decode else None,
+                                     aux_stream=self.aux_stream if shape.short else None,
                                      moe_stats=self.moe_stats if shape.decode else None)
                 with forward_context(ctx):
                     self.model(step.input_ids, step.positions)  # compile kernels, warm up
@@ -96,23 +104,29 @@ class StepGraphs:
                         hidden = self.model(step.input_ids, step.positions)
                 self._graphs[(shape, lora)] = (graph, hidden)
         torch.cuda.synchronize()
+        short = (f"; chunks of up to {self.short_query_len} tokens in steps of up to {self.short_sizes[-1]}"
+                 if self.short_sizes else "")
         logger.info(
-            "captured %d CUDA graphs in %.1f s: decode batch sizes %s; mixed steps of up to %s tokens "
+            "captured %d CUDA graphs in %.1f s: decode batch sizes %s%s; mixed steps of up to %s tokens "
             "(%d sizes); with and without adapters", len(self._graphs), time.perf_counter() - t0,
-            ",".join(map(str, self.decode_sizes)), self.mixed_sizes[-1] if self.mixed_sizes else 0,
+            ",".join(map(str, self.decode_sizes)), short, self.mixed_sizes[-1] if self.mixed_sizes else 0,
             len(self.mixed_sizes),
         )
 
-    def shape_for(self, num_tokens: int, num_seqs: int) -> GraphShape | None:
-        """The graph that serves a step of num_tokens tokens in num_seqs sequences, or
-        None (run it eagerly)."""
-        if num_tokens == num_seqs:  # decode
+    def shape_for(self, num_tokens: int, num_seqs: int, max_query_len: int) -> GraphShape | None:
+        """The graph that serves a step of num_tokens tokens in num_seqs sequences of at
+        most max_query_len tokens, or None (run it eagerly)."""
+        if max_query_len == 1:  # decode
             i = bisect.bisect_left(self.decode_sizes, num_seqs)
             if i < len(self.decode_sizes):
-                return GraphShape(self.decode_sizes[i], self.decode_sizes[i], decode=True)
+                return GraphShape(self.decode_sizes[i], self.decode_sizes[i], 1)
+        elif max_query_len <= self.short_query_len:
+            i = bisect.bisect_left(self.short_sizes, num_tokens)
+            if i < len(self.short_sizes):
+                return GraphShape(self.short_sizes[i], self.short_sizes[i], self.short_query_len)
         i = bisect.bisect_left(self.mixed_sizes, num_tokens)
         if i < len(self.mixed_sizes) and num_seqs < self.inputs.mixed_graph_seqs:
-            return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs, decode=False)
+            return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs, None)
         return None
 
     def replay(self, shape: GraphShape, with_lora: bool) -> torch.Tensor:

@@ -34,10 +34,11 @@ from loraplex.models.weights import (
     load_safetensors,
     projection_index,
 )
+from loraplex.ops.metadata import SHORT_QUERY_MAX
 from loraplex.runner.batch_meta import InputBuffers
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
-from loraplex.runner.rejection import rejection_sample
+from loraplex.runner.rejection import greedy_verify, rejection_sample
 from loraplex.runner.sampler import SamplingRows, sample, sampling_probs, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.runner.structured import GrammarRows
@@ -73,6 +74,8 @@ class ModelRunner:
             else None
         )
         sched = config.scheduler
+        graph_batch = min(sched.max_num_seqs, 256)
+        short_chunks = self._short_chunk_graphs(graph_batch)
         self.inputs = InputBuffers(
             max_tokens=sched.max_num_batched_tokens,
             max_seqs=sched.max_num_seqs,
@@ -80,6 +83,7 @@ class ModelRunner:
             max_loras=lora.max_loras,
             block_size=config.cache.block_size,
             device=self.device,
+            max_graph_seqs=short_chunks[1] if short_chunks else 0,
         )
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -112,12 +116,21 @@ class ModelRunner:
             mixed = (min(sched.max_num_batched_tokens, config.max_cudagraph_capture_size)
                      if config.cudagraph_mode == "FULL" else None)
             self.graphs = StepGraphs(
-                self.model, self.inputs, min(sched.max_num_seqs, 256), mixed, self.lora_slots is not None,
-                self.aux_stream, self.moe_stats,
+                self.model, self.inputs, graph_batch, mixed, self.lora_slots is not None,
+                self.aux_stream, self.moe_stats, short_chunks,
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
                 self._warm_up_eager_kernels()
+
+    def _short_chunk_graphs(self, max_batch: int) -> tuple[int, int] | None:
+        """(tokens a chunk, tokens a step) of the steps speculation verifies, where
+        short-chunk graphs serve them (runner/cuda_graphs.py), else None."""
+        spec = self.config.speculative
+        if spec is None or spec.num_speculative_tokens + 1 > SHORT_QUERY_MAX:
+            return None
+        return (spec.num_speculative_tokens + 1,
+                min(spec.max_step_tokens(max_batch), self.config.scheduler.max_num_batched_tokens))
 
     @torch.inference_mode()
     def _warm_up_eager_kernels(self) -> None:
@@ -305,7 +318,8 @@ class ModelRunner:
         dora = self.lora_slots.dora_slots if self.lora_slots else set()
         graph = None
         if self.graphs is not None and not any(c.lora_slot in dora for c in plan.chunks):  # DoRA: eager
-            graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks))
+            graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks),
+                                          max(c.num_tokens for c in plan.chunks))
         inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora)
         self._feed_pending_tokens(plan, inputs.input_ids)
         if graph is not None:
@@ -437,12 +451,14 @@ class ModelRunner:
             num.append(len(d))
         sps = [plan.chunks[i].sampling for i in spec for _ in range(k + 1)]
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
-        probs = sampling_probs(logits, [sp.temperature for sp in sps], [sp.top_k for sp in sps],
-                               [sp.top_p for sp in sps]).view(len(spec), k + 1, -1)
-        greedy = to_device([plan.chunks[i].sampling.greedy for i in spec], torch.bool, self.device)
-        verified = rejection_sample(probs, to_device(drafts, torch.int64, self.device),
-                                    to_device(num, torch.int64, self.device), greedy,
-                                    generator=self.generator)
+        drafts, num = to_device(drafts, torch.int64, self.device), to_device(num, torch.int64, self.device)
+        if all(sp.greedy for sp in sps):
+            verified = greedy_verify(logits.view(len(spec), k + 1, -1), drafts, num)
+        else:
+            probs = sampling_probs(logits, [sp.temperature for sp in sps], [sp.top_k for sp in sps],
+                                   [sp.top_p for sp in sps]).view(len(spec), k + 1, -1)
+            greedy = to_device([plan.chunks[i].sampling.greedy for i in spec], torch.bool, self.device)
+            verified = rejection_sample(probs, drafts, num, greedy, generator=self.generator)
         out.spec_chunks = spec
         out.spec_token_ids, out.spec_accepted = verified.token_ids, verified.num_accepted
 

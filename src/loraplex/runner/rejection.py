@@ -72,8 +72,8 @@ def rejection_sample(
     if draft_probs is None:
         q_next = torch.zeros_like(p_next)
         at = num_accepted.clamp(max=k - 1) if k else num_accepted
-        if k:
-            q_next[rows, drafts[rows, at]] = 1.0
+        if k:  # scatter_ of a number: no host value to copy in, so no wait for the device
+            q_next.scatter_(1, drafts[rows, at][:, None], 1.0)
     else:
         q_next = draft_probs[rows, num_accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros_like(p_next)
     residual = torch.where(rejected[:, None], (p_next - q_next).clamp_min(0.0), p_next)
@@ -84,8 +84,28 @@ def rejection_sample(
     drawn = (residual / race).argmax(dim=-1)
     extra = torch.where(greedy, p_next.argmax(dim=-1), drawn)
 
-    out = torch.full((s, k1), -1, dtype=torch.int64, device=device)
-    keep_cols = positions[None, :] < num_accepted[:, None]
-    out[:, :k] = torch.where(keep_cols, draft_ids, out[:, :k])
-    out[rows, num_accepted] = extra
+    return _verified(draft_ids, num_accepted, extra)
+
+
+def greedy_verify(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verified:
+    """rejection_sample where every row is greedy, from the logits [S, k + 1, V] (no
+    distribution needed: a proposal is kept while it is the argmax, and the argmax after
+    the last kept one is the extra token). A handful of kernels, where a step of greedy
+    rows waits on its host to launch each."""
+    s, k1, _ = logits.shape
+    k = k1 - 1
+    best = logits.argmax(dim=-1)  # [S, k + 1]
+    positions = torch.arange(k, device=logits.device)
+    kept = (draft_ids == best[:, :k]) & (positions[None, :] < num_drafts[:, None])
+    num_accepted = torch.cumprod(kept.long(), dim=-1).sum(dim=-1)
+    return _verified(draft_ids, num_accepted, best.gather(1, num_accepted[:, None])[:, 0])
+
+
+def _verified(draft_ids: torch.Tensor, num_accepted: torch.Tensor, extra: torch.Tensor) -> Verified:
+    """The step's tokens: the kept proposals, then the extra token, then -1."""
+    s, k = draft_ids.shape
+    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]
+    padded = torch.cat((draft_ids, extra[:, None]), dim=1)
+    out = torch.where(positions < num_accepted[:, None], padded,
+                      torch.where(positions == num_accepted[:, None], extra[:, None], -1))
     return Verified(token_ids=out, num_accepted=num_accepted)

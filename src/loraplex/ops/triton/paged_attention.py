@@ -7,9 +7,10 @@ is read once for the whole group. The program walks the sequence's block table o
 visible keys (causal, optionally a sliding window), keeping a running max and sum
 (online softmax), so no score matrix is ever materialised. New tokens' keys/values are
 already in the cache (write_kv_cache runs first): a chunk appended to a cached prefix
-and a single decode token are the same case. Decode batches whose contexts may span
-several partitions go to the split-KV kernels of paged_decode.py instead, which spread
-each context over several programs.
+and a single decode token are the same case. Steps of short chunks (decodes, verified
+speculation: at most SHORT_QUERY_MAX tokens a sequence) give each sequence one tile; where
+their contexts may span several partitions they go to the split-KV kernels of
+paged_decode.py instead, which spread each context over several programs.
 
 Steps with longer chunks number their (sequence, query block) tiles sequence after
 sequence, and each program finds its own from query_start_loc on the device
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
@@ -41,12 +42,13 @@ def attention_config(max_query_len: int, group: int, row_bytes: int = 256, windo
     bf16 tiles would need 288 KB of shared memory there, past an H100/H200's 227 KB.
     Decode walks whole contexts in 128-key tiles where rows are <= 256 bytes (72 KB of
     shared memory; Llama-3.1-8B's decode 27.8 -> 24.8 us per layer against 64-key tiles),
-    64-key ones under a sliding window (fewer keys before the window's start)."""
+    64-key ones under a sliding window (fewer keys before the window's start). Short
+    chunks (verification) tile the same way, one sequence's tokens and heads per tile."""
     wide = row_bytes > 512
-    if max_query_len == 1:  # decode: one token's heads per tile
+    if max_query_len <= SHORT_QUERY_MAX:  # decode or short chunks: a sequence's heads per tile
         block_n = 32 if wide else 128 if row_bytes <= 256 and not windowed else 64
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, num_warps=4,
-                    num_stages=1 if wide else 2)
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(group * max_query_len)), BLOCK_N=block_n,
+                    num_warps=4, num_stages=1 if wide else 2)
     if wide:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -65,11 +67,11 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    UPCAST: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
-    if ONE_TOKEN:  # decode: program i is sequence i's token
+    if ONE_TILE:  # short chunks: program i is sequence i's tokens
         seq = tl.program_id(0)
         q_block = 0
     else:
@@ -145,7 +147,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if batch.max_query_len == 1:  # decode: split long contexts over programs (host-known bound)
+    short = batch.max_query_len <= SHORT_QUERY_MAX
+    if short:  # split long contexts over programs (host-known bound)
         splits = num_splits(batch, page, num_kv_heads, sliding_window)
         if splits > 1:
             return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks)
@@ -155,8 +158,7 @@ def paged_attention(
     block_q = cfg["BLOCK_M"] // group
     assert block_q >= 1, "a tile must hold at least one token's query heads"
     num_seqs = batch.seq_lens.shape[0]
-    one_token = batch.max_query_len == 1
-    tiles = num_seqs if one_token else max_tiles(num_tokens, num_seqs, block_q)
+    tiles = num_seqs if short else max_tiles(num_tokens, num_seqs, block_q)
     _paged_attention_kernel[(tiles, num_kv_heads)](
         q, k_cache, v_cache, out, q if sinks is None else sinks,  # q: a pointer never read
         batch.block_tables, batch.seq_lens, batch.query_start_loc, num_seqs,
@@ -166,7 +168,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PAGE=page, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
-        **dot_settings(q.dtype), ONE_TOKEN=one_token,
+        **dot_settings(q.dtype), ONE_TILE=short,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

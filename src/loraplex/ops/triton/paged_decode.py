@@ -1,13 +1,18 @@
-"""Split-KV ("flash-decoding") attention for decode steps over the paged KV cache.
+"""Split-KV ("flash-decoding") attention over the paged KV cache for steps of short
+chunks: decodes, and the verification of speculated tokens (at most SHORT_QUERY_MAX
+query tokens per sequence).
 
-A decode step has one query token per sequence, so the single-pass kernel
+Such a step has a token or a few per sequence, so the single-pass kernel
 (paged_attention.py) runs only sequences x KV heads programs, each walking a whole
 context: 32 x 8 = 256 programs on a 132-SM GPU leave memory bandwidth unused. Here a
 sequence's visible keys are cut into partitions of PARTITION_SIZE tokens, and program
 (split, sequence, KV head) reduces its span of partitions to a partial result, for all
-query heads of the KV head in one tile (grouped-query attention, as in the single-pass
-kernel): the unnormalised output and its running max and sum, in float32 scratch. A
-second kernel merges each (sequence, query head)'s partials with the log-sum-exp trick.
+of the sequence's query tokens and all query heads of the KV head in one tile (row =
+(token, head), as in the single-pass kernel), so each key is read once per sequence: the
+unnormalised output and its running max and sum, in float32 scratch. A second kernel
+merges each (token, query head)'s partials with the log-sum-exp trick. A token sees the
+keys up to its own position (causal within the chunk); a split past all of a token's
+keys leaves it an empty partial.
 
 CUDA graphs: a captured decode step is replayed for any context lengths, so launches
 depend on host-known bounds only, never on seq_lens. The split count comes from the
@@ -25,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
 from loraplex.ops.triton.precision import dot_settings
 
@@ -52,18 +57,19 @@ MAX_SPLITS = 64  # the merge holds one head's partials in one [MAX_SPLITS, BLOCK
 BLOCK_N, NUM_WARPS, NUM_STAGES, TILE_BYTES = 128, 4, 2, 32768
 
 
-def decode_config(group: int, row_bytes: int) -> dict:
-    """row_bytes: one key's head vector (padded head_dim x element size)."""
+def decode_config(group: int, row_bytes: int, query_len: int = 1) -> dict:
+    """row_bytes: one key's head vector (padded head_dim x element size); query_len: the
+    most query tokens a sequence has (a tile holds them all, with all their heads)."""
     block_n = min(BLOCK_N, PARTITION_SIZE, max(16, TILE_BYTES // row_bytes))
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(group * query_len)), BLOCK_N=block_n,
                 num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def num_splits(batch: AttentionBatch, page: int, num_kv_heads: int, sliding_window: int | None) -> int:
     """Programs per (sequence, KV head), from host-known values only (graph safe)."""
     span = batch.block_tables.shape[1] * page  # bounds every context of the batch
-    if sliding_window is not None:  # visible keys start at most BLOCK_N - 1 before the window
-        span = min(span, sliding_window + min(BLOCK_N, PARTITION_SIZE) - 1)
+    if sliding_window is not None:  # visible keys start at most BLOCK_N - 1 before the first token's window
+        span = min(span, sliding_window + batch.max_query_len - 1 + min(BLOCK_N, PARTITION_SIZE) - 1)
     pairs = batch.num_seqs * num_kv_heads
     if pairs >= SINGLE_PASS_PAIRS:
         return 1
@@ -86,12 +92,12 @@ def _scratch_buffer(numel: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _spans(ctx_len, window, splits, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
+def _spans(ctx_len, q_len, window, splits, PARTITION: tl.constexpr, BLOCK_N: tl.constexpr,
            USE_WINDOW: tl.constexpr):
-    """First key of the decode token's visible range, and the keys one split covers."""
+    """First key any of the sequence's q_len tokens sees, and the keys one split covers."""
     kv_begin = ctx_len * 0
-    if USE_WINDOW:  # aligned down as the single-pass kernel does
-        kv_begin = tl.maximum(ctx_len - window, 0) // BLOCK_N * BLOCK_N
+    if USE_WINDOW:  # the first token's window, aligned down as the single-pass kernel does
+        kv_begin = tl.maximum(ctx_len - q_len + 1 - window, 0) // BLOCK_N * BLOCK_N
     parts = tl.cdiv(ctx_len - kv_begin, PARTITION)
     return kv_begin, tl.cdiv(parts, splits) * PARTITION
 
@@ -105,7 +111,7 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -113,20 +119,23 @@ def _decode_split_kernel(
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     ctx_len = tl.load(seq_lens_ptr + seq)
-    kv_begin, span = _spans(ctx_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
+    first_token = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - first_token
+    kv_begin, span = _spans(ctx_len, q_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
     start = kv_begin + split * span
     if start >= ctx_len:  # past this context (or a padding sequence: ctx_len 0)
         return
     end = tl.minimum(start + span, ctx_len)
-    token = tl.load(query_start_loc_ptr + seq)
 
-    rows = tl.arange(0, BLOCK_M)  # row r: query head r of the group; rows >= GROUP unused
+    rows = tl.arange(0, BLOCK_M)  # row r: token r // GROUP of the chunk, query head r % GROUP
+    tok = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_mask = rows < GROUP
+    row_mask = (tok < QUERY_LEN) & (tok < q_len)
+    limit = ctx_len - q_len + tok + 1  # keys before each row's token and the token itself
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + (first_token + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -138,15 +147,15 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < end
-        visible = n_mask
+        visible = n_mask[None, :] & (n[None, :] < limit[:, None])
         if USE_WINDOW:
-            visible = visible & (n >= ctx_len - window)
+            visible = visible & (n[None, :] >= limit[:, None] - window)
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, n, n_mask, visible[None, :], table, k_cache_ptr, v_cache_ptr, kv_head,
+            q, m_i, l_i, acc, n, n_mask, visible, table, k_cache_ptr, v_cache_ptr, kv_head,
             offs_d, d_mask, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
             stride_vd, scale, PAGE, DOT_PRECISION, UPCAST)
 
-    slot = (seq * num_heads + head) * splits + split  # scratch is [B, Hq, splits, (D)]
+    slot = ((seq * QUERY_LEN + tok) * num_heads + head) * splits + split  # scratch: [B, Q, Hq, splits, (D)]
     tl.store(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc,
              mask=row_mask[:, None] & d_mask[None, :])
     tl.store(max_ptr + slot, m_i, mask=row_mask)
@@ -158,17 +167,24 @@ def _decode_merge_kernel(
     acc_ptr, max_ptr, sum_ptr, out_ptr, sinks_ptr, seq_lens_ptr, query_start_loc_ptr,
     window, splits, num_heads,
     stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    tok = tl.program_id(2)
+    first_token = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - first_token
+    if tok >= q_len:
+        return
     ctx_len = tl.load(seq_lens_ptr + seq)
-    kv_begin, span = _spans(ctx_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
+    kv_begin, span = _spans(ctx_len, q_len, window, splits, PARTITION, BLOCK_N, USE_WINDOW)
     s = tl.arange(0, BLOCK_S)
-    written = (s < splits) & (kv_begin + s * span < ctx_len)  # the split kernel's exit test
-    slot = (seq * num_heads + head) * splits + s
+    # The split kernel's exit test (a written partial may still be empty for this token:
+    # max -inf, sum 0, which weigh nothing below).
+    written = (s < splits) & (kv_begin + s * span < ctx_len)
+    slot = ((seq * QUERY_LEN + tok) * num_heads + head) * splits + s
     m = tl.load(max_ptr + slot, mask=written, other=float("-inf"))
     l_s = tl.load(sum_ptr + slot, mask=written, other=0.0)
     m_all = tl.max(m, axis=0)
@@ -185,8 +201,7 @@ def _decode_merge_kernel(
     acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=written[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
-    token = tl.load(query_start_loc_ptr + seq)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od,
+    tl.store(out_ptr + (first_token + tok) * stride_ot + head * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -200,18 +215,21 @@ def paged_decode(
     splits: int,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """paged_attention for a batch of one query token per sequence, in `splits` pieces."""
+    """paged_attention for a batch of at most SHORT_QUERY_MAX query tokens per sequence
+    (batch.max_query_len), in `splits` pieces."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     num_seqs = batch.num_seqs
+    query_len = batch.max_query_len
+    assert query_len <= SHORT_QUERY_MAX, query_len
     block_d = max(16, triton.next_power_of_2(head_dim))
-    cfg = decode_config(group, block_d * q.element_size())
+    cfg = decode_config(group, block_d * q.element_size(), query_len)
     assert PARTITION_SIZE % cfg["BLOCK_N"] == 0, "a partition is whole key tiles"
     out = torch.empty_like(q)
     # All attention calls on a device share the scratch: they run in stream order, and a
     # partial is dead once merged. Views of one buffer keep its address fixed for graphs.
-    n = num_seqs * num_heads * splits
+    n = num_seqs * query_len * num_heads * splits
     buf = _scratch_buffer(n * (head_dim + 2), q.device)
     acc, m, l_s = buf[: n * head_dim], buf[n * head_dim : n * (head_dim + 1)], buf[n * (head_dim + 1) :]
     window = sliding_window or 0
@@ -222,15 +240,16 @@ def paged_decode(
         scale, window, splits, num_heads,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         batch.block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page, BLOCK_M=cfg["BLOCK_M"],
+        GROUP=group, QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page,
+        BLOCK_M=cfg["BLOCK_M"],
         **common, **dot_settings(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     block_s = triton.next_power_of_2(splits)
-    _decode_merge_kernel[(num_seqs, num_heads)](
+    _decode_merge_kernel[(num_seqs, num_heads, query_len)](
         acc, m, l_s, out, q if sinks is None else sinks, batch.seq_lens, batch.query_start_loc,
         window, splits, num_heads, *out.stride(),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
+        QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
         USE_SINKS=sinks is not None, num_warps=min(8, max(1, block_s * block_d // 1024)),
     )
     return out
