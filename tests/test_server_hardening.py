@@ -91,7 +91,9 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_request_aborted(ser
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: fills fast
     host, port = server.url.removeprefix("http://").split(":")
     sock.connect((host, int(port)))
-    body = json.dumps({"model": "tiny", "prompt": "t5 t6", "max_tokens": 4000, "logprobs": 20,
+    # 8 choices with 20 logprobs each: ~6 KB a step, 4,000 steps, far past what loopback's
+    # send buffer grows to (4 MB), which one choice's whole stream could fit in.
+    body = json.dumps({"model": "tiny", "prompt": "t5 t6", "max_tokens": 4000, "logprobs": 20, "n": 8,
                        "stream": True, "ignore_eos": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Authorization: Bearer " + ADMIN.encode() + b"\r\nContent-Length: "
