@@ -357,6 +357,40 @@ def test_int4_kernel_at_llama_group_size_and_through_ops():
     torch.testing.assert_close(got, linear(x[:, :256], w16, None), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n, k, group", [(40, 96, 32), (72, 256, 128), (136, 96, 24)])
+def test_int4_dequantize_kernel_and_the_prefill_path(n, k, group, dtype):
+    """Prefill-sized steps on a GPU dequantize W in one kernel, then run the dense GEMM:
+    the kernel gives dequantize's values exactly, and a step of DEQUANTIZE_MIN_TOKENS
+    tokens matches the reference (on a CPU: the W4A16 kernel)."""
+    from loraplex.ops.reference.quant import dequantize
+    from loraplex.ops.triton.int4_gemm import DEQUANTIZE_MIN_TOKENS, int4_dequantize
+
+    w = _random_int4(n, k, group, dtype, seed=n)
+    assert torch.equal(int4_dequantize(w).cpu(), dequantize(w).cpu())
+    _kernel_check(DEQUANTIZE_MIN_TOKENS, n, k, group, dtype, bias=True, seed=n)
+
+
+def test_bf16x2_decode_needs_integer_zero_points():
+    """The bf16x2 decode (exact where q - zero is exact in bf16) is taken for bf16 on an
+    sm_90 GPU with each step inside one group and integer zero points in 0..127; a
+    fractional zero point or one past 127 keeps the float32 decode (the answer follows
+    changes to the zero points). The kernel tests above check its values on a GPU."""
+    from loraplex.ops.triton.int4_gemm import bf16x2_decode
+
+    w = _random_int4(64, 256, 128, torch.bfloat16, seed=3)
+    x = torch.randn(2, 256).to(torch.bfloat16).to(DEVICE)
+    sm90 = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    assert w.integer_zeros() and bf16x2_decode(x, w, 128) == sm90
+    assert not bf16x2_decode(x, w, 256) and not bf16x2_decode(x.float(), w, 128)
+    w.zero[0, 1] = 7.5
+    assert not w.integer_zeros() and not bf16x2_decode(x, w, 128)
+    w.zero[0, 1] = 130
+    assert not w.integer_zeros()
+    w.zero[0, 1] = 16
+    assert w.integer_zeros()
+
+
 def test_int4_kernel_configs_follow_shapes_alone():
     """Decode configs split K on a GPU by the SM count (forced here by device type only);
     BLOCK_K fits the group."""
@@ -379,7 +413,8 @@ from loraplex.ops.triton import int4_gemm as m
 
 n, k, group = 4096, 14336, 128  # Llama-3.1-8B's down_proj
 out = {}
-for t, split in ((1, 4), (16, 1), (64, 1), (2048, 1)):
+for t, split, bf16x2 in ((1, 4, False), (16, 1, False), (64, 1, False), (2048, 1, False), (1, 4, True),
+                         (32, 4, True), (64, 1, True)):
     cfg = m.int4_config(t, n, k, group, torch.device("cpu"))
     cfg["SPLIT_K"] = split
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
@@ -387,11 +422,13 @@ for t, split in ((1, 4), (16, 1), (64, 1), (2048, 1)):
                 out_ptr="*fp32" if split > 1 else "*bf16", M=7, N=n, K=k, stride_xm=k, stride_qn=k // 2,
                 stride_sn=k // group, stride_sg=1, stride_os=t * n if split > 1 else 0, stride_om=n,
                 GROUP=const(group), HAS_BIAS=const(True), EVEN_N=const(True), EVEN_K=const(True),
-                UPCAST=const(False), DOT_PRECISION=const("tf32"), **{a: const(v) for a, v in cfg.items()})
+                UPCAST=const(False), DOT_PRECISION=const("tf32"), BF16X2=const(bf16x2),
+                **{a: const(v) for a, v in cfg.items()})
     c = compile_sm90(m._int4_gemm_kernel, args, nw, ns)
     ptx = c.asm["ptx"]
-    out[t] = dict(widths(ptx), shared=c.metadata.shared, i2f=len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
-                  mma=len(re.findall(r"\b(?:mma|wgmma\.mma_async)\.sync", ptx)))
+    out[f"{t}{' bf16x2' if bf16x2 else ''}"] = dict(
+        widths(ptx), shared=c.metadata.shared, i2f=len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
+        mma=len(re.findall(r"\b(?:mma|wgmma\.mma_async)\.sync", ptx)), mul2=ptx.count("mul.rn.bf16x2"))
 print(json.dumps(out))
 """
 
@@ -399,9 +436,10 @@ print(json.dumps(out))
 @pytest.mark.skipif(DTYPE != "float32", reason="compiles for sm_90 once")
 def test_int4_kernel_compiles_for_sm90_reading_whole_vectors():
     """Decode (split K and not) and prefill configs at Llama-3.1-8B's down_proj compile
-    for an H100 (no GPU needed): W's bytes and x come in 16-byte copies, nothing is read
-    a byte at a time, the codes become floats without int-to-float conversions, tl.dot
-    runs on tensor cores, and the tiles fit in shared memory."""
+    for an H100 (no GPU needed), with the float32 decode and the bf16x2 one: W's bytes
+    and x come in 16-byte copies, nothing is read a byte at a time, the codes become
+    floats without int-to-float conversions, tl.dot runs on tensor cores, and the tiles
+    fit in shared memory."""
     import os
     import subprocess
     import sys
@@ -417,3 +455,4 @@ def test_int4_kernel_compiles_for_sm90_reading_whole_vectors():
         assert c.get("cp.async.16", 0) > 0 and c.get("ld.b8", 0) == 0 and c.get("ld.u8", 0) == 0, (t, c)
         assert c["i2f"] == 0 and c["mma"] > 0, (t, c)
         assert c.get("st.b16", 0) == 0 and 0 < c["shared"] <= 232_448, (t, c)
+        assert (c["mul2"] > 0) == t.endswith("bf16x2"), (t, c)

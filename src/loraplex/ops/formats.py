@@ -72,6 +72,21 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scale", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
         self.register_buffer("zero", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
+        self._integer_zeros: tuple | None = None  # ((zero's storage, version), the answer)
+
+    def integer_zeros(self) -> bool | None:
+        """Whether every zero point is an integer in 0..127 (AWQ's and GPTQ's are 0..16):
+        then q - zero is exact in bf16 and kernels may dequantize in bf16x2 arithmetic.
+        Computed once per change of `zero`; None while a CUDA graph is being captured and
+        it is not known (reading it back would break the capture)."""
+        version = (self.zero.data_ptr(), self.zero._version)
+        if self._integer_zeros is None or self._integer_zeros[0] != version:
+            if self.zero.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            z = self.zero.float()
+            exact = bool(((z == z.round()) & (z >= 0) & (z <= 127)).all())
+            self._integer_zeros = (version, exact)
+        return self._integer_zeros[1]
 
 
 class Mxfp4Weight(QuantizedWeight):

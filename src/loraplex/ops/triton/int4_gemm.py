@@ -9,7 +9,12 @@ W is never written out: each program reads its tile of packed bytes ([BLOCK_N, B
 back into K order), turns them into floats without an int-to-float conversion (the code
 as a float32 mantissa under the exponent of 2^23, minus 2^23), applies the group's zero
 and scale in float32 and feeds tl.dot in x's dtype (bf16 / fp16 tensor cores; float32
-IEEE). The group's scale and zero come once per K step: one [BLOCK_N] vector when a step
+IEEE). That decode costs ~10 instructions a weight on sm_90, which bounds a decode step
+(Llama-3.1-8B AWQ at 32 in flight: 1.12x the bf16 step, H100). With bf16 on an sm_90
+GPU, integer zero points and a step inside one group (`bf16x2_decode`), the bytes are
+decoded in bf16x2 arithmetic instead (quant_tiles.int4_bf16_pairs: ~2 instructions a
+weight, the same values), into W at the even and at the odd k, which meet x's even and
+odd columns in two dots. The group's scale and zero come once per K step: one [BLOCK_N] vector when a step
 lies inside one group (G a multiple of BLOCK_K), a [BLOCK_N, BLOCK_K / G] tile spread
 over the step when several groups fit in it, else gathered per k (odd group sizes of
 small random models).
@@ -37,7 +42,8 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Int4Weight
-from loraplex.ops.triton.precision import dot_settings
+from loraplex.ops.triton.precision import INTERPRETED, dot_settings
+from loraplex.ops.triton.quant_tiles import even_odd, int4_bf16_pairs
 
 # Untuned defaults by token count (H100/H200 guesses: no tuning file yet).
 DEFAULT_CONFIGS = (
@@ -52,6 +58,12 @@ DEFAULT_CONFIGS = (
 PROGRAMS_PER_SM = 4
 MAX_SPLIT_K = 16
 SUM_BLOCK_N = 1024  # columns per program of the split-K sum
+# Prefill: from this many tokens, W dequantized into a scratch tensor (4 bytes a weight
+# written and read) and cuBLAS's bf16 GEMM beat the W4A16 kernel's tensor-core tiles.
+# Llama-3.1-8B's qkv + gate_up + down, H100 (us): 128 tokens ~366 against 473, 2048
+# tokens 1,255 against 2,349; at 32 tokens the kernel's 100 against ~350.
+DEQUANTIZE_MIN_TOKENS = 128
+DEQUANTIZE_BLOCK_N = 32
 # Pipelined tiles must fit an H100's 227 KiB of shared memory per block, with room left
 # for the epilogue's layout conversions.
 SHARED_MEMORY_BUDGET = 192 * 1024
@@ -95,6 +107,7 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BF16X2: tl.constexpr = False,
 ):
     # Grouped ordering: GROUP_M consecutive row blocks sweep the column blocks together.
     pid = tl.program_id(0)
@@ -132,21 +145,30 @@ def _int4_gemm_kernel(
         else:
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
             packed = tl.load(q_rows + kb[None, :], mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0)
-        # Each nibble under the exponent of 2^23 is 2^23 + code as float32 bits; minus
-        # 2^23, the code as a float, exactly. Interleaved: [BLOCK_N, BLOCK_K] in K order.
-        packed = packed.to(tl.int32)
-        low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-        high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-        q = tl.interleave(low, high) - 8388608.0
-        scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
-        zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
-        # W rounded to its dtype (the scales'), as dequantize does, then to x's (the same
-        # in a model: no-op).
-        w = _rounded((q - zero) * scale, scale_ptr, UPCAST).to(x_ptr.dtype.element_ty)
-        if UPCAST:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if BF16X2:  # decoded in bf16x2 arithmetic, even and odd k apart (int4_path)
+            g = (k0 // GROUP) * stride_sg
+            zero = tl.load(z_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+            scale = tl.load(s_rows + g, mask=n_mask, other=0.0)
+            w_even, w_odd = int4_bf16_pairs(packed, zero[:, None], scale[:, None])
+            x_even, x_odd = even_odd(x)
+            acc += tl.dot(x_even, tl.trans(w_even), input_precision=DOT_PRECISION)
+            acc += tl.dot(x_odd, tl.trans(w_odd), input_precision=DOT_PRECISION)
+        else:
+            # Each nibble under the exponent of 2^23 is 2^23 + code as float32 bits; minus
+            # 2^23, the code as a float, exactly. Interleaved: [BLOCK_N, BLOCK_K] in K order.
+            packed = packed.to(tl.int32)
+            low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+            q = tl.interleave(low, high) - 8388608.0
+            scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+            zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+            # W rounded to its dtype (the scales'), as dequantize does, then to x's (the same
+            # in a model: no-op).
+            w = _rounded((q - zero) * scale, scale_ptr, UPCAST).to(x_ptr.dtype.element_ty)
+            if UPCAST:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
 
     out = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     if SPLIT_K == 1:
@@ -157,6 +179,30 @@ def _int4_gemm_kernel(
         tl.store(out, acc, mask=m_mask[:, None])
     else:
         tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_sg,
+                            stride_on, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            UPCAST: tl.constexpr):
+    """out = dequantize(W) in W's dtype: the GEMM's float32 decode, written out."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    n_mask = offs_n < N
+    packed = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + kb[None, :],
+                     mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0).to(tl.int32)
+    low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.interleave(low, high) - 8388608.0
+    s_rows = scale_ptr + offs_n.to(tl.int64) * stride_sn
+    z_rows = zero_ptr + offs_n.to(tl.int64) * stride_sn
+    scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, False)
+    zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, False)
+    w = _rounded((q - zero) * scale, scale_ptr, UPCAST)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + k[None, :], w,
+             mask=n_mask[:, None] & (k[None, :] < K))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -219,6 +265,20 @@ def _split_k(m: int, n: int, k: int, cfg: dict, device: torch.device) -> int:
     return max(1, min(want, MAX_SPLIT_K, traffic_cap, k_blocks))
 
 
+def bf16x2_decode(x: torch.Tensor, w: Int4Weight, block_k: int) -> bool:
+    """Whether the kernel decodes W in bf16x2 arithmetic: bf16 activations and scales on
+    an sm_90 GPU (its sub/mul.bf16x2), every step inside one group, and zero points that
+    make q - zero exact in bf16 (known before any CUDA graph capture: a warm-up step
+    asks first)."""
+    return (x.dtype == torch.bfloat16 and w.scale.dtype == torch.bfloat16 and x.is_cuda
+            and _capability(x.device) >= (9, 0) and w.group % block_k == 0 and bool(w.integer_zeros()))
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _pow2_floor(v: int) -> int:
     return 1 << (v.bit_length() - 1)
 
@@ -228,10 +288,25 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def int4_dequantize(w: Int4Weight) -> torch.Tensor:
+    """dequantize(w) [N, K] in w's dtype, by one kernel."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=w.dtype, device=w.data.device)
+    block_k = min(128, triton.next_power_of_2(k))
+    grid = (triton.cdiv(n, DEQUANTIZE_BLOCK_N), triton.cdiv(k, block_k))
+    _int4_dequantize_kernel[grid](
+        w.data, w.scale, w.zero, out, n, k,
+        w.data.stride(0), w.scale.stride(0), w.scale.stride(1), out.stride(0),
+        GROUP=w.group, BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_K=block_k, UPCAST=INTERPRETED,
+    )
+    return out
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, config: dict | None = None,
                 ) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T + bias -> [..., N] in x's dtype. `config` (tests)
-    replaces int4_config's."""
+    replaces int4_config's. Steps of DEQUANTIZE_MIN_TOKENS tokens or more on a GPU
+    dequantize W into a scratch tensor and run the dense GEMM (cuBLAS)."""
     n, k = w.shape
     assert w.data.dim() == 2 and x.shape[-1] == k, (x.shape, w.shape)
     assert w.data.stride(1) == 1 and w.scale.stride() == w.zero.stride(), (w.scale.stride(), w.zero.stride())
@@ -240,12 +315,18 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if config is None and m >= DEQUANTIZE_MIN_TOKENS and x.is_cuda:
+        out = torch.nn.functional.linear(x2, int4_dequantize(w).to(x.dtype), bias)
+        return out.view(*lead, n)
     bias = bias.contiguous() if bias is not None else None
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
     cfg = dict(config) if config is not None else int4_config(m, n, k, w.group, x.device)
     cfg = fit_stages(cfg, w.group, x.element_size(), w.scale.element_size())
+    bf16x2 = cfg.pop("BF16X2", None)
+    if bf16x2 is None:
+        bf16x2 = bf16x2_decode(x, w, cfg["BLOCK_K"])
     split_k = cfg.pop("SPLIT_K", 1)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     dest = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -257,7 +338,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
         dest.stride(0) if split_k > 1 else 0, dest.stride(-2),
         GROUP=w.group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        **cfg, **dot_settings(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, num_warps=num_warps, num_stages=num_stages,
     )
     if split_k > 1:
         _split_k_sum_kernel[(m, triton.cdiv(n, SUM_BLOCK_N))](

@@ -161,6 +161,52 @@ def mxfp4_bf16_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLO
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
+# Two bytes -> the bf16x2 of their low (or high) nibbles' int4 weights, (q - zero) x
+# scale: a nibble put under bf16's exponent of 2^7 (0x4300 | q) reads as 128 + q, so
+# one bf16x2 subtraction of 128 + zero (exact: integers below 256) and one multiply by
+# the scale (rounded once, as dequantize rounds its float32 product) finish both
+# values. Per 4 bytes: 2 PRMT spreading bytes (0, 1) and (2, 3) to half words, then 4 x
+# (mask and or, SUB2, MUL2) and 2 shifts: about 2 instructions per value, against ~10
+# for the float32 decode. sub/mul.bf16x2 need sm_90.
+_INT4_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 y01, y23, t;
+prmt.b32 y01, $4, 0, 0x4140;
+prmt.b32 y23, $4, 0, 0x4342;
+and.b32 t, y01, 0x000F000F;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 $0, t, $7;
+and.b32 t, y23, 0x000F000F;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 t, t, $6;
+mul.rn.bf16x2 $1, t, $8;
+shr.b32 t, y01, 4;
+and.b32 t, t, 0x000F000F;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 t, t, $5;
+mul.rn.bf16x2 $2, t, $7;
+shr.b32 t, y23, 4;
+and.b32 t, t, 0x000F000F;
+or.b32 t, t, 0x43004300;
+sub.rn.bf16x2 t, t, $6;
+mul.rn.bf16x2 $3, t, $8;
+}
+""")
+
+
+@triton.jit
+def int4_bf16_pairs(packed, zero, scale):
+    """An int4 weight's bytes [N, B] uint8 (two codes a byte, the lower k in the low
+    nibble) -> (W at the even k, W at the odd k), each [N, B] bf16, dequantize's values
+    exactly, by _INT4_PAIRS_ASM. zero, scale: [N, 1] float32 and bf16, one group's (the
+    step lies inside it); every zero an integer in 0..127 (Int4Weight.integer_zeros)."""
+    zero128 = tl.broadcast_to((zero + 128.0).to(tl.bfloat16), packed.shape)
+    scale = tl.broadcast_to(scale.to(tl.bfloat16), packed.shape)
+    return tl.inline_asm_elementwise(_INT4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero128, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
 @triton.jit
 def mxfp4_packed_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
                       EVEN_K: tl.constexpr):
