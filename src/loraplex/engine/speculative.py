@@ -46,8 +46,6 @@ FULL_LENGTH_ACCEPTANCE = 0.5
 MIN_ACCEPTANCE = 0.25
 PROBE_PERIOD = 8
 MAX_PROBE_PERIOD = 128
-# Proposed tokens per step, over all requests: config.DRAFT_TOKENS_PER_STEP (the runner
-# captures graphs for steps of that size).
 
 
 def draft_length(k: int, acceptance: float, probe: bool = False) -> int:

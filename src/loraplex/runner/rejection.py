@@ -92,8 +92,7 @@ def greedy_verify(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: tor
     distribution needed: a proposal is kept while it is the argmax, and the argmax after
     the last kept one is the extra token). A handful of kernels, where a step of greedy
     rows waits on its host to launch each."""
-    s, k1, _ = logits.shape
-    k = k1 - 1
+    k = logits.shape[1] - 1
     best = logits.argmax(dim=-1)  # [S, k + 1]
     positions = torch.arange(k, device=logits.device)
     kept = (draft_ids == best[:, :k]) & (positions[None, :] < num_drafts[:, None])
@@ -103,8 +102,7 @@ def greedy_verify(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: tor
 
 def _verified(draft_ids: torch.Tensor, num_accepted: torch.Tensor, extra: torch.Tensor) -> Verified:
     """The step's tokens: the kept proposals, then the extra token, then -1."""
-    s, k = draft_ids.shape
-    positions = torch.arange(k + 1, device=draft_ids.device)[None, :]
+    positions = torch.arange(draft_ids.shape[1] + 1, device=draft_ids.device)[None, :]
     padded = torch.cat((draft_ids, extra[:, None]), dim=1)
     out = torch.where(positions < num_accepted[:, None], padded,
                       torch.where(positions == num_accepted[:, None], extra[:, None], -1))

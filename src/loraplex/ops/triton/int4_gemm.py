@@ -14,10 +14,10 @@ IEEE). That decode costs ~10 instructions a weight on sm_90, which bounds a deco
 GPU, integer zero points and a step inside one group (`bf16x2_decode`), the bytes are
 decoded in bf16x2 arithmetic instead (quant_tiles.int4_bf16_pairs: ~2 instructions a
 weight, the same values), into W at the even and at the odd k, which meet x's even and
-odd columns in two dots. The group's scale and zero come once per K step: one [BLOCK_N] vector when a step
-lies inside one group (G a multiple of BLOCK_K), a [BLOCK_N, BLOCK_K / G] tile spread
-over the step when several groups fit in it, else gathered per k (odd group sizes of
-small random models).
+odd columns in two dots. The group's scale and zero come once per K step: one
+[BLOCK_N] vector when a step lies inside one group (G a multiple of BLOCK_K), a
+[BLOCK_N, BLOCK_K / G] tile spread over the step when several groups fit in it, else
+gathered per k (odd group sizes of small random models).
 
 Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
 - decode (T <= 64): small BLOCK_M (16, 32, 64 by T: mma tiles, a lone token padded to 16
@@ -99,6 +99,22 @@ def _rounded(w, like_ptr, UPCAST: tl.constexpr):
     return w.to(like_ptr.dtype.element_ty)
 
 
+@triton.jit
+def _decoded(packed, s_rows, z_rows, scale_ptr, k0, k, K, n_mask, stride_sg, GROUP: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The step's bytes [BLOCK_N, BLOCK_K / 2] -> W [BLOCK_N, BLOCK_K] in the scales'
+    dtype, (q - zero) x scale computed in float32 and rounded once, as dequantize does.
+    Each nibble under the exponent of 2^23 is 2^23 + code as float32 bits; minus 2^23, the
+    code as a float, exactly (no int-to-float conversion); interleaved back into K order."""
+    packed = packed.to(tl.int32)
+    low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.interleave(low, high) - 8388608.0
+    scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+    zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
+    return _rounded((q - zero) * scale, scale_ptr, UPCAST)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_gemm_kernel(
     x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
@@ -145,7 +161,7 @@ def _int4_gemm_kernel(
         else:
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
             packed = tl.load(q_rows + kb[None, :], mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0)
-        if BF16X2:  # decoded in bf16x2 arithmetic, even and odd k apart (int4_path)
+        if BF16X2:  # decoded in bf16x2 arithmetic, even and odd k apart (bf16x2_decode)
             g = (k0 // GROUP) * stride_sg
             zero = tl.load(z_rows + g, mask=n_mask, other=0.0).to(tl.float32)
             scale = tl.load(s_rows + g, mask=n_mask, other=0.0)
@@ -154,17 +170,10 @@ def _int4_gemm_kernel(
             acc += tl.dot(x_even, tl.trans(w_even), input_precision=DOT_PRECISION)
             acc += tl.dot(x_odd, tl.trans(w_odd), input_precision=DOT_PRECISION)
         else:
-            # Each nibble under the exponent of 2^23 is 2^23 + code as float32 bits; minus
-            # 2^23, the code as a float, exactly. Interleaved: [BLOCK_N, BLOCK_K] in K order.
-            packed = packed.to(tl.int32)
-            low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-            q = tl.interleave(low, high) - 8388608.0
-            scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
-            zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, EVEN_K)
-            # W rounded to its dtype (the scales'), as dequantize does, then to x's (the same
+            # W in its dtype (the scales'), as dequantize rounds it, then in x's (the same
             # in a model: no-op).
-            w = _rounded((q - zero) * scale, scale_ptr, UPCAST).to(x_ptr.dtype.element_ty)
+            w = _decoded(packed, s_rows, z_rows, scale_ptr, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N,
+                         BLOCK_K, EVEN_K, UPCAST).to(x_ptr.dtype.element_ty)
             if UPCAST:
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
@@ -192,15 +201,11 @@ def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     n_mask = offs_n < N
     packed = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + kb[None, :],
-                     mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0).to(tl.int32)
-    low = ((packed & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    high = ((packed >> 4) | 0x4B000000).to(tl.float32, bitcast=True)
-    q = tl.interleave(low, high) - 8388608.0
+                     mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0)
     s_rows = scale_ptr + offs_n.to(tl.int64) * stride_sn
     z_rows = zero_ptr + offs_n.to(tl.int64) * stride_sn
-    scale = _group_values(s_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, False)
-    zero = _group_values(z_rows, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K, False)
-    w = _rounded((q - zero) * scale, scale_ptr, UPCAST)
+    w = _decoded(packed, s_rows, z_rows, scale_ptr, k0, k, K, n_mask, stride_sg, GROUP, BLOCK_N, BLOCK_K,
+                 False, UPCAST)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + k[None, :], w,
              mask=n_mask[:, None] & (k[None, :] < K))
 
