@@ -94,6 +94,7 @@ class Server:
         # fast tokenizer's state is not meant for concurrent calls).
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="loraplex-tokenize")
         self._loading: set[str] = set()  # adapter names being loaded
+        self.replica_name: str | None = None  # named in receipts when one of several replicas
 
     # -- request preparation ------------------------------------------------------------
 
@@ -293,7 +294,7 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
                                           tenant)
         request.state.queued = True
         info = StreamInfo(request_id, int(time.time()), body.model, "text_completion", lora,
-                          body.include_usage)
+                          body.include_usage, server.replica_name)
         k = body.logprobs
 
         n = body.n
@@ -326,7 +327,7 @@ def build_app(server: Server, drain_timeout: float = 30.0, public_metrics: bool 
         request.state.queued = True
         info = StreamInfo(request_id, int(time.time()), body.model,
                           "chat.completion.chunk" if body.stream else "chat.completion", lora,
-                          body.include_usage)
+                          body.include_usage, server.replica_name)
 
         calls = {}  # choice index -> its ToolChoiceOutput
 

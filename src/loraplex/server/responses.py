@@ -95,9 +95,11 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round((b - a) * 1e3, 3)
 
 
-def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput]) -> dict:
-    """Which adapter served the request, from which tier, and its timings and tokens.
-    With several prompts, times are the slowest prompt's and tokens are summed."""
+def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput],
+            replica: str | None = None) -> dict:
+    """Which adapter served the request, from which tier (and on which replica, behind
+    an ingress), and its timings and tokens. With several prompts, times are the
+    slowest prompt's and tokens are summed."""
     ms = [o.metrics for o in outs]
 
     def slowest(values):
@@ -110,6 +112,7 @@ def receipt(request_id: str, lora: LoRARequest | None, outs: list[RequestOutput]
         "adapter": lora.lora_name if lora else None,
         "adapter_content_id": next((m.adapter_content_id for m in ms if m.adapter_content_id), None),
         "adapter_source": next((m.adapter_source for m in ms if m.adapter_source), None),
+        "replica": replica,
         "adapter_load_ms": None if load is None else round(load * 1e3, 3),
         "queue_ms": slowest(_ms(m.arrival_time, m.first_scheduled_time) for m in ms),
         "ttft_ms": slowest(_ms(m.arrival_time, m.first_token_time) for m in ms),

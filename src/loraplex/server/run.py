@@ -99,6 +99,7 @@ def build_server(args):
     engine = AsyncEngine(llm_engine)
     server = Server(engine, llm_engine.tokenizer, Auth.from_args(args.api_key, args.api_keys_file),
                     served, llm_engine.config.scheduler.max_model_len, args.stream_write_timeout, parser)
+    server.replica_name = getattr(args, "replica_name", None)  # set by a launcher of several
     return server, build_app(server, args.shutdown_timeout, args.public_metrics, args.max_request_bytes)
 
 

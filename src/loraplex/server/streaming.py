@@ -63,11 +63,15 @@ class StreamInfo:
     object: str
     lora: LoRARequest | None
     include_usage: bool
+    replica: str | None = None  # the replica that served it, behind an ingress
+
+    def receipt(self, outs: list[RequestOutput]) -> dict:
+        return receipt(self.request_id, self.lora, outs, self.replica)
 
     def body(self, choices: list[dict], outs: list[RequestOutput]) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, "usage": usage(outs),
-                "loraplex": receipt(self.request_id, self.lora, outs)}
+                "loraplex": self.receipt(outs)}
 
     def chunk(self, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": self.object, "created": self.created,
@@ -160,12 +164,12 @@ async def event_stream(request, info: StreamInfo, streams, states: list[ChoiceSt
                                                          delta.first, c.finish_reason is not None)]))
                 if len(finals) == len(streams) and not info.include_usage:  # the last chunk: the receipt
                     chunks = chunks or [info.chunk([])]
-                    chunks[-1]["loraplex"] = receipt(info.request_id, info.lora, finals)
+                    chunks[-1]["loraplex"] = info.receipt(finals)
                 for chunk in chunks:
                     yield _sse(chunk)
             if info.include_usage:
                 yield _sse({**info.chunk([]), "usage": usage(finals),
-                            "loraplex": receipt(info.request_id, info.lora, finals)})
+                            "loraplex": info.receipt(finals)})
         except LoraplexError as e:
             code, kind = status_of(e)
             yield _sse(error_body(str(e), kind, code))
