@@ -57,8 +57,8 @@ def test_make_serve_installs_once(tmp_path):
 
 # docs/architecture.md's packages, top floor first: a module imports only from floors
 # below its own (or its own package).
-FLOORS = [("entrypoints",), ("server", "bench"), ("engine",), ("runner",), ("models",), ("adapters",),
-          ("layers", "train"), ("ops",), ("config", "types"), ("errors", "device")]
+FLOORS = [("entrypoints",), ("deploy",), ("server", "bench"), ("engine",), ("runner",), ("models",),
+          ("adapters",), ("layers", "train"), ("ops",), ("config", "types"), ("errors", "device")]
 SRC = ROOT / "src" / "loraplex"
 
 

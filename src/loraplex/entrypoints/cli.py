@@ -69,6 +69,19 @@ def _serve(args) -> int:
 
     sock = serve.bind(args.host, args.port)  # a port in use fails before any model is built
     use_default_model(args)
+    if args.data_parallel_size is not None:
+        if args.replicas is not None:
+            raise LoraplexError("--replicas (Ray Serve) and --data-parallel-size (no Ray) exclude each other")
+        from loraplex.deploy import data_parallel
+
+        return data_parallel.run(args, sock)
+    if args.replicas is not None:
+        if importlib.util.find_spec("ray") is None:
+            raise LoraplexError("--replicas runs on Ray Serve: pip install 'loraplex[ray]'")
+        from loraplex.deploy import ray_serve
+
+        sock.close()  # Serve's HTTP proxy listens there
+        return ray_serve.run(args)
     return serve.main(args, sock)
 
 
@@ -95,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from loraplex.bench import run as bench
     from loraplex.bench.workload import MOE_CONFIGS
+    from loraplex.deploy import args as deploy_args
     from loraplex.server import run as serve
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
     serve.add_arguments(srv)
+    deploy_args.add_arguments(srv)
     srv.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
