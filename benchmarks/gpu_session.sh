@@ -7,7 +7,8 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
+#        routing (CPU only: the routing simulation)
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -107,6 +108,8 @@ for step in $STEPS; do
         --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
         --max-num-batched-tokens 2048 ${COLD_ARGS:-} --cache-dir "$CACHE" --result-json "$OUT/cold.json" 2>&1 \
         | grep -v "it/s" > "$OUT/cold.txt"; tail -40 "$OUT/cold.txt" ;;
+    routing)  # RESULTS: "Replica routing (simulated)" (CPU: loraplex's router over simulated engines)
+      run routing 900 replica_routing --out "$OUT/routing.json" ;;
     adapter-load)  # RESULTS: "Adapter loads" (96 random Llama-3.1-8B adapters, no engine)
       run adapter-load 300 adapter_load --generate 96 --out "$OUT/adapter-load.json" ;;
     interference)  # RESULTS: "Loader threads beside the engine thread"

@@ -19,7 +19,8 @@ BENCH = ROOT / "benchmarks"
 # RESULTS.md and a main(argv=None) whose parser comes from benchmarks.harness.
 SCRIPTS = ("adapter_load", "attention_sweep", "base_gemms", "decode_breakdown", "kernels",
            "loader_interference", "mixed_steps", "moe_kernels", "prefill_lora", "profile_decode",
-           "profile_prefill", "slot_load", "speculative", "structured_outputs", "train_moe")
+           "profile_prefill", "replica_routing", "slot_load", "speculative", "structured_outputs",
+           "train_moe")
 MODULES = ("__init__", "harness")  # not scripts
 OTHER_FILES = ("LOG.md", "RESULTS.md", "gpu_session.sh")
 
