@@ -8,12 +8,12 @@
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
-#        routing (CPU only: the routing simulation)
+#        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed)
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
 OUT=${OUT:-./gpu-results}; mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LORAPLEX_BENCH_CACHE=${LORAPLEX_BENCH_CACHE:-$HOME/.cache/loraplex/bench}
 CACHE=$LORAPLEX_BENCH_CACHE
 STEPS=${*:-tests kernels profile bench}
@@ -108,6 +108,34 @@ for step in $STEPS; do
         --max-cpu-lora-memory 16 --num-prompts 512 --max-concurrency 32 --input-len 512 --output-len 128 \
         --max-num-batched-tokens 2048 ${COLD_ARGS:-} --cache-dir "$CACHE" --result-json "$OUT/cold.json" 2>&1 \
         | grep -v "it/s" > "$OUT/cold.txt"; tail -40 "$OUT/cold.txt" ;;
+    replicas-one|replicas-ray)  # RESULTS: "Replicas on one GPU" (Llama-3.1-8B, 32 adapters, over HTTP)
+      M=$CACHE/llama-3.1-8b
+      ls -d "$CACHE"/llama-3.1-8b-adapters-r16-*/adapter-31 >/dev/null 2>&1 || \
+        timeout 300 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --num-adapters 32 \
+          --num-prompts 64 --max-concurrency 32 --input-len 512 --output-len 128 \
+          --max-num-batched-tokens 2048 --cache-dir "$CACHE" 2>&1 | grep -v "it/s" | tail -3
+      MODS=(); NAMES=()
+      for i in $(seq 0 31); do
+        MODS+=("a$i=$(ls -d "$CACHE"/llama-3.1-8b-adapters-r16-*/adapter-$i | head -1)"); NAMES+=("a$i")
+      done
+      if [ "$step" = replicas-one ]; then NAME=one PORT=8100 EXTRA=()
+      else  # REPLICAS=1 GPUS=1 UTIL=0.9: one replica on the whole GPU, behind the ingress
+        NAME=ray${REPLICAS:-2} PORT=8200
+        EXTRA=(--replicas ${REPLICAS:-2} --gpus-per-replica ${GPUS:-0.5} --gpu-memory-utilization ${UTIL:-0.42})
+      fi
+      python3 -m loraplex.entrypoints.cli serve "$M" --load-format dummy --max-loras 32 --max-cpu-loras 64 \
+        --max-num-batched-tokens 2048 --max-model-len 2048 --port $PORT --lora-modules "${MODS[@]}" \
+        "${EXTRA[@]}" > "$OUT/replicas-$NAME-server.txt" 2>&1 &
+      SERVER=$!
+      for _ in $(seq 400); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
+      for adapters in 0 32; do
+        LORAS=(); [ $adapters = 32 ] && LORAS=(--lora-modules "${NAMES[@]}")
+        timeout 300 python3 -m loraplex.entrypoints.cli bench --model "$M" --base-url http://127.0.0.1:$PORT \
+          "${LORAS[@]}" --num-prompts ${PROMPTS:-512} --max-concurrency 32 --input-len 512 --output-len 128 \
+          --result-json "$OUT/replicas-$NAME-$adapters.json" 2>&1 | grep -v "it/s" | tail -8 \
+          | tee "$OUT/replicas-$NAME-$adapters.txt"
+      done
+      kill -INT $SERVER; wait $SERVER ;;
     routing)  # RESULTS: "Replica routing (simulated)" (CPU: loraplex's router over simulated engines)
       run routing 900 replica_routing --out "$OUT/routing.json" ;;
     adapter-load)  # RESULTS: "Adapter loads" (96 random Llama-3.1-8B adapters, no engine)

@@ -53,6 +53,6 @@ def serve_parser() -> argparse.ArgumentParser:
     from loraplex.server import run as serve
 
     p = argparse.ArgumentParser(prog="loraplex serve")
-    serve.add_arguments(p)
     add_arguments(p)
+    serve.add_arguments(p)
     return p

@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     from loraplex.server import run as serve
 
     srv = sub.add_parser("serve", help="OpenAI-compatible server (default model: Gemma 3 270M)")
+    deploy_args.add_arguments(srv)  # (its group before the engine's, which help shows last)
     serve.add_arguments(srv)
-    deploy_args.add_arguments(srv)
     srv.set_defaults(func=_serve)
 
     b = sub.add_parser("bench", help="serving benchmark (vllm bench serve style, random dataset)")
