@@ -79,18 +79,9 @@ async def call_asgi(app, request: Forwarded) -> AsyncIterator[Start | bytes]:
                 yield Start(message["status"], relay_headers(
                     (k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])))
             elif message["type"] == "http.response.body":
-                # Chunks written while the caller was busy go as one part: each part
-                # costs the replica host time (a message to the ingress), beside the
-                # engine thread, so a slow reader is sent fewer, larger parts.
-                chunks, more = [message.get("body", b"")], message.get("more_body", False)
-                while more and not messages.empty():
-                    queued = messages.get_nowait()
-                    chunks.append(queued.get("body", b""))
-                    more = queued.get("more_body", False)
-                body = b"".join(chunks)
-                if body:
-                    yield body
-                if not more:
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
                     return
     finally:
         gone.set()
