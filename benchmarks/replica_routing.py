@@ -121,7 +121,7 @@ def simulate(policy, args, seed: int) -> dict:
     while events:
         now, _, kind, what = heapq.heappop(events)
         if kind == "arrive":
-            loads = [harness_load(r, now) for r in replicas]
+            loads = [router_view(r) for r in replicas]
             r = by_name[policy.rank(what.adapter, loads)[0]]
             r.take(what, now, args.load_ms / 1e3)
             if r.busy_until == 0.0:
@@ -155,7 +155,7 @@ def simulate(policy, args, seed: int) -> dict:
             "requests_per_s": len(done) / span}
 
 
-def harness_load(r: Replica, now: float):
+def router_view(r: Replica):
     """What the router sees: in-flight requests, and the adapters held or loading (as
     Serve's multiplexed ids count them)."""
     from loraplex.deploy.routing import ReplicaLoad

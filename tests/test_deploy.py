@@ -344,3 +344,26 @@ def test_the_ray_application_takes_the_replica_and_autoscaling_flags(chat_model)
     assert engines.ray_actor_options["num_gpus"] == 0.5
     router = engines._deployment_config.request_router_config
     assert router.request_router_kwargs == {"miss_cost": 2.0, "slots": 48, "resident_capacity": 100}
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "0"], ["--gpus-per-replica", "-1"],
+                                   ["--route-miss-cost", "-2"], ["--data-parallel-size", "0"],
+                                   ["--max-replicas", "x"]])
+def test_bad_replica_flags_are_refused_by_the_parser(flags, chat_model, capsys):
+    from loraplex.deploy.args import serve_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        serve_parser().parse_args([str(chat_model), *flags])
+    assert exit_.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_contradictory_replica_flags_fail_at_startup_with_one_line(chat_model, capsys):
+    from loraplex.deploy.args import serve_parser
+    from loraplex.deploy.ray_serve import application
+    from loraplex.entrypoints.cli import main
+
+    both = ["serve", str(chat_model), "--port", "0", "--replicas", "2", "--data-parallel-size", "2"]
+    assert main(both) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--max-replicas must be at least --replicas"):
+        application(serve_parser().parse_args([str(chat_model), "--replicas", "3", "--max-replicas", "2"]))

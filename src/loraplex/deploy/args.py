@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from loraplex.config import LoRAConfig
 from loraplex.engine.args import at_least
 
 GROUP = "several engines (Ray Serve replicas, or data parallel on one host)"
@@ -43,8 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "adapter-affine router (no Ray)")
 
 
-def several_engines(args: argparse.Namespace) -> bool:
-    return args.replicas is not None or args.data_parallel_size is not None
+def host_adapters(args: argparse.Namespace) -> int:
+    """A replica's host tier, in adapters, as its engine will size it: the router's
+    picture of what it holds is that long."""
+    return LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras).host_capacity
 
 
 def serve_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 
+from loraplex.deploy.args import host_adapters
 from loraplex.deploy.asgi import Forwarded, Start, relay_headers
 from loraplex.deploy.ingress import Ingress, ReplicaFailed
 from loraplex.deploy.routing import AdapterAffinity, ReplicaLoad, ResidencyLRU
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, sock) -> int:
     processes, urls = start_engines(args, gpus)
     alive = dict(zip(urls, processes))
     fleet = HttpFleet(urls, AdapterAffinity(args.route_miss_cost, args.max_num_seqs),
-                      args.max_cpu_loras or 4 * max(args.max_loras, 1), lambda r: alive[r].is_alive())
+                      host_adapters(args), lambda r: alive[r].is_alive())
     ingress = Ingress(fleet, frozenset(args.served_model_name or [args.model]), args.max_request_bytes)
     logger.info("serving on http://%s:%d through %d engines", args.host, args.port, len(processes))
     try:

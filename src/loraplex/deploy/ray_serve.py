@@ -39,7 +39,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from loraplex.deploy.args import serve_parser
+from loraplex.deploy.args import host_adapters, serve_parser
 from loraplex.deploy.asgi import Forwarded, Start, call_asgi
 from loraplex.deploy.ingress import Ingress, ReplicaFailed
 from loraplex.deploy.routing import AdapterAffinity, ReplicaLoad, ResidencyLRU
@@ -70,7 +70,6 @@ def parse_serve_argv(argv: list[str]) -> argparse.Namespace:
 class AffinityRequestRouter(FIFOMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, miss_cost: float = 2.0, slots: int = 0, resident_capacity: int = 32):
         self.policy = AdapterAffinity(miss_cost, slots)
-        self.resident_capacity = resident_capacity
         self._sent: dict[ReplicaID, ResidencyLRU] = defaultdict(lambda: ResidencyLRU(resident_capacity))
         routers()[self._deployment_id.name] = self
 
@@ -199,7 +198,7 @@ def application(args: argparse.Namespace):
     """The Serve application of `loraplex serve`'s arguments (--replicas,
     --gpus-per-replica and the autoscaling flags shape the deployments; every other flag
     goes to each replica's engine and server)."""
-    max_models = args.max_cpu_loras or 4 * max(args.max_loras, 1)
+    max_models = host_adapters(args)
     replica = serve.deployment(
         engine_replica_class(max_models), name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_gpus": _gpus_per_replica(args), "num_cpus": args.cpus_per_replica},

@@ -111,9 +111,6 @@ class RoundRobin:
         return ids[k:] + ids[:k]
 
 
-POLICIES = {p.name: p for p in (AdapterAffinity, LeastLoaded, RoundRobin)}
-
-
 class ResidencyLRU:
     """A router's picture of one replica's adapter tier: the last `capacity` adapters it
     sent there, least recently used first out, as the replica's host tier keeps them
@@ -129,9 +126,6 @@ class ResidencyLRU:
         self._names.move_to_end(adapter)
         while len(self._names) > self.capacity:
             self._names.popitem(last=False)
-
-    def discard(self, adapter: str) -> None:
-        self._names.pop(adapter, None)
 
     def __contains__(self, adapter: str) -> bool:
         return adapter in self._names
