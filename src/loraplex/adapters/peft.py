@@ -100,6 +100,7 @@ class AdapterTargets:
     projections: Mapping[str, tuple[int, int]]  # module path -> (in_features, out_features)
     experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # experts module path
     renames: Mapping[str, str] = field(default_factory=dict)  # checkpoint path part -> model's
+    dora: bool = True  # False: the model is split across ranks, where DoRA's row norms are not
 
     def max_bytes(self, max_rank: int, itemsize: int) -> int:
         """The most an adapter of rank <= max_rank can hold in this model's dtype."""
@@ -267,6 +268,8 @@ def to_canonical(
 
     if on_experts and use_dora:
         raise AdapterInvalid(name, "DoRA on experts is not supported")
+    if use_dora and not targets.dora:
+        raise AdapterInvalid(name, "DoRA adapters are not served with tensor parallelism")
     raw_expert_tensors = [t for parts in on_experts.values() for ab in parts.values() for t in ab.values()]
     if check_finite and not _all_finite(raw_expert_tensors):
         raise AdapterInvalid(name, "expert LoRA weights have NaN or infinite values")

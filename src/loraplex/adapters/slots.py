@@ -55,6 +55,7 @@ class LoRASlotBuffers:
         self._written: list[dict[tuple, int]] = [{} for _ in range(max_loras)]
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.staging = Staging()
+        self.split = any(layer.tp is not None for layer in self.layers)  # tensor parallel
         for layer in self.layers:
             layer.lora = LoRAWeights.zeros(len(layer.output_sizes), layer.in_features,
                                            sum(layer.output_sizes), max_loras, max_rank, dtype, device)
@@ -79,7 +80,15 @@ class LoRASlotBuffers:
             names += (a_name, b_name)
             scales += (1.0, scale)
             written[(id(proj.layer), proj.slice)] = r
-        self.staging.copy_from_file(dsts, adapter.tensors, names, scales)
+        if self.split:  # tensor parallel: this rank's part of A (row layers) or B (column)
+            srcs = []
+            projections = map(self.projections.get, adapter.modules)
+            for a_name, b_name, proj in zip(names[::2], names[1::2], projections):
+                a, b, tp = adapter.tensors[a_name], adapter.tensors[b_name], proj.layer.tp
+                srcs += (a, b) if tp is None else (tp.lora_a(a), tp.lora_b(proj.slice, b))
+            self.staging.copy(dsts, srcs, scales)
+        else:
+            self.staging.copy_from_file(dsts, adapter.tensors, names, scales)
         dsts, srcs = [], []
         for path, x in self.experts.items():
             w, ex = x.lora, adapter.experts.get(path)
@@ -96,8 +105,10 @@ class LoRASlotBuffers:
             for i, ((a, b), (sa, sb)) in enumerate(zip(pairs, w.pairs())):
                 if a is not None:
                     r = ranks[i] = a.shape[1]
-                    dsts += (sa[slot, :, :r], sb[slot, :, :, :r])
-                    srcs += (a, b)  # expert B carries its scaling (re-laid out on load)
+                    # expert B carries its scaling (re-laid out on load)
+                    d, s = _expert_parts(x.tp, i, sa[slot, :, :r], sb[slot, :, :, :r], a, b)
+                    dsts += d
+                    srcs += s
                     written[(path, i)] = r
             # the kernels read A and B up to these ranks (the slot's capacity is 2 x max rank
             # for gate_up: PEFT's fused layout uses half of it)
@@ -176,6 +187,19 @@ class LoRASlotBuffers:
         self.dora_slots.discard(slot)
 
 
+def _expert_parts(tp, i: int, sa, sb, a, b) -> tuple[list, list]:
+    """Slot views and adapter tensors to copy into them for gate_up (i = 0) or down (1):
+    under tensor parallelism (tp, an ExpertShard) gate_up's B keeps this rank's gate and
+    up rows and down's A its columns."""
+    if tp is None:
+        return [sa, sb], [a, b]
+    if i == 0:
+        half = sb.shape[1] // 2
+        gate, up = tp.gate_up(1).views(b)
+        return [sa, sb[:, :half], sb[:, half:]], [a, gate, up]
+    return [sa, sb], [tp.down(2).views(a)[0], b]
+
+
 # Off: one copy_ per tensor (kept to measure against, benchmarks/slot_load.py).
 BATCHED_COPIES = True
 MAX_LAYOUTS = 64  # file layouts whose staging views are kept (each ~1 KB per tensor)
@@ -210,7 +234,9 @@ class Staging:
         storage = srcs[0].untyped_storage()
         base = storage.data_ptr()
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-        spans = [(s.data_ptr() - base, tuple(s.shape), tuple(s.stride())) for s in srcs]
+        # Views of it, strided where a tensor-parallel rank takes some columns of A.
+        spans = [(s.data_ptr() - base, tuple(s.shape), None if s.is_contiguous() else tuple(s.stride()))
+                 for s in srcs]
         self._staged(dsts, buffer, spans, srcs[0].dtype, scales)
 
     def copy_from_file(self, dsts: list[torch.Tensor], file: Mapping[str, torch.Tensor], names: list[str],
@@ -231,7 +257,7 @@ class Staging:
         """spans[i] = (byte offset in `buffer`, shape, stride or None if contiguous)."""
         item = dtype.itemsize
         lo = min(off for off, _, _ in spans)
-        hi = max(off + math.prod(shape) * item for off, shape, _ in spans)
+        hi = max(off + _extent(shape, stride) * item for off, shape, stride in spans)
         dev = dsts[0].device
         if self.buffer is None or self.buffer.numel() < hi - lo or self.buffer.device != dev:
             # Steps after this one read it in stream order: a new buffer only when it grows.
@@ -256,6 +282,13 @@ class Staging:
         torch._foreach_copy_(dsts, views)
 
 
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> int:
+    """Elements from a view's first to one past its last (its span in the buffer)."""
+    if stride is None:
+        return math.prod(shape)
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+
+
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, n = [], 1
     for d in reversed(shape):
@@ -268,6 +301,6 @@ def _one_pinned_buffer(srcs: list[torch.Tensor]) -> bool:
     first = srcs[0].untyped_storage()
     base, dtype = first.data_ptr(), srcs[0].dtype
     return srcs[0].device.type == "cpu" and srcs[0].is_pinned() and all(
-        s.dtype == dtype and s.is_contiguous() and s.untyped_storage().data_ptr() == base
+        s.dtype == dtype and s.untyped_storage().data_ptr() == base
         and (s.data_ptr() - base) % dtype.itemsize == 0 for s in srcs)
 

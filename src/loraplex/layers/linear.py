@@ -22,6 +22,7 @@ from torch import nn
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.lora_weights import LoRAWeights
+from loraplex.layers.parallel import LinearShard
 from loraplex.ops.metadata import LoRABatch
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
@@ -59,6 +60,9 @@ class LoRALinear(nn.Module):
             torch.empty(sum(output_sizes), in_features, device=weight_device()), False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes)), False) if bias else None
         self.lora: LoRAWeights | None = None  # None: this engine serves no adapters
+        # Tensor parallel: which part of the full layer this rank holds (sizes above are
+        # the rank's own); a row-parallel layer all-reduces its output.
+        self.tp: LinearShard | None = None
 
     def slice_rows(self, index: int) -> slice:
         start = sum(self.output_sizes[:index])
@@ -74,11 +78,14 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.lora_batch()
         if batch is None:
-            return ops.linear(x, self.weight, self.bias)
-        y, buf = self.base_and_shrink(x)
-        ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
-        if batch.dora and self.lora.dora_scale is not None:
-            y = self._dora_rescale(y, batch.token_slot)
+            y = ops.linear(x, self.weight, self.bias)
+        else:
+            y, buf = self.base_and_shrink(x)
+            ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
+            if batch.dora and self.lora.dora_scale is not None:
+                y = self._dora_rescale(y, batch.token_slot)
+        if self.tp is not None and self.tp.reduces:  # partial sums, adapter deltas included
+            self.tp.group.all_reduce(y)
         return y
 
     def base_and_shrink(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

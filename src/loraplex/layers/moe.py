@@ -16,6 +16,7 @@ from loraplex.config import ModelConfig
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.linear import LoRALinear, weight_device
 from loraplex.layers.lora_weights import ExpertLoRAWeights
+from loraplex.layers.parallel import ExpertShard
 from loraplex.ops.metadata import MoELoRA
 
 
@@ -30,6 +31,7 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), False) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(e, h), False) if bias else None
         self.lora: ExpertLoRAWeights | None = None  # None: this engine serves no adapters
+        self.tp: ExpertShard | None = None  # tensor parallel: the intermediate rows held here
 
     def step_lora(self) -> MoELoRA | None:
         """This step's adapters on these experts, or None when no token has one. A CUDA
@@ -52,7 +54,8 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router (softmax top-k, optionally renormalised) and experts. Returns each token's
     top_k weighted expert outputs unsummed, [T, top_k, H]: the decoder's next residual
-    add + RMSNorm sums them in its launch."""
+    add + RMSNorm sums them in its launch. Under tensor parallelism each rank's outputs
+    are partial sums: summed here, then all-reduced ([T, H], not top_k times that)."""
 
     def __init__(self, cfg: ModelConfig, router_name: str = "gate", bias: bool = False):
         super().__init__()
@@ -68,9 +71,10 @@ class SparseMoE(nn.Module):
         weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
         e, ctx = self.experts, get_forward_context()
         # [T, top_k, H], unsummed: the next residual add + RMSNorm sums each token's rows.
-        return ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
-                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
-                                 ctx.moe_stats, ctx.aux_stream, sum_topk=False)
+        out = ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
+                                e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
+                                ctx.moe_stats, ctx.aux_stream, sum_topk=e.tp is not None)
+        return out if e.tp is None else e.tp.group.all_reduce(out)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""

@@ -23,6 +23,7 @@ from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts
+from loraplex.layers.parallel import Shard
 from loraplex.models.quant import ingest, init_quantized
 from loraplex.ops.formats import QuantizedWeight
 
@@ -44,11 +45,14 @@ class Projection:
 
     @property
     def in_features(self) -> int:
-        return self.layer.in_features
+        """The full projection's (the whole model's, under tensor parallelism)."""
+        tp = self.layer.tp
+        return self.layer.in_features if tp is None else tp.full_in
 
     @property
     def out_features(self) -> int:
-        return self.layer.output_sizes[self.slice]
+        tp = self.layer.tp
+        return self.layer.output_sizes[self.slice] if tp is None else tp.full_sizes[self.slice]
 
 
 def projection_index(model: nn.Module) -> dict[str, Projection]:
@@ -71,10 +75,15 @@ def adapter_targets(model: nn.Module) -> AdapterTargets:
     interleaved = getattr(model, "checkpoint_gate_up_interleaved", False)
     return AdapterTargets(
         projections={k: (p.in_features, p.out_features) for k, p in projection_index(model).items()},
-        experts={path: ExpertShape(m.num_experts, m.hidden_size, m.intermediate_size, interleaved)
+        experts={path: ExpertShape(m.num_experts, m.hidden_size, _full_intermediate(m), interleaved)
                  for path, m in expert_modules(model).items()},
         renames=dict(getattr(model, "checkpoint_renames", {})),
+        dora=not any(isinstance(m, LoRALinear) and m.tp is not None for m in model.modules()),
     )
+
+
+def _full_intermediate(experts: Experts) -> int:
+    return experts.intermediate_size if experts.tp is None else experts.tp.full_intermediate
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -88,8 +97,10 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool,
-                     quant: QuantConfig | None = None) -> None:
+                     quant: QuantConfig | None = None, shards: dict[str, Shard] | None = None) -> None:
     """Copy every checkpoint tensor into `model`; fail on missing or unexpected names.
+    shards: a tensor-parallel rank's part of each split parameter (models/tensor_parallel.py);
+    projections and experts take theirs from their layers' `tp`.
 
     A model class may declare `checkpoint_renames` (old -> new name substrings) and a
     `checkpoint_transform(name, tensor) -> tensor` (after renames) for tensors stored in
@@ -135,6 +146,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
             continue
         if expert is not None and f"{expert['experts']}.gate_up_proj" in params:
             fused_name, dest = _expert_slice(params, expert)
+            tensor = _expert_part(model, expert, tensor)
             expert_parts.setdefault(fused_name, set()).add((expert["e"], expert["proj"]))
             key = None  # complete once every expert's part has come
         elif module_path in index and kind != "bias" and not isinstance(index[module_path].layer.weight,
@@ -146,6 +158,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         elif module_path in index:
             proj = index[module_path]
             dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
+            if proj.layer.tp is not None:
+                tp = proj.layer.tp
+                tensor = (tp.weight if kind == "weight" else tp.bias)(proj.slice).take(tensor)
             key = name
         elif name not in params and (stem := _fused_quantized(name, quantized)) is not None:  # *_blocks
             done = ingest(quantized[stem], quant, kind, tensor, (), name)
@@ -153,6 +168,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
             continue
         elif name in params:
             dest, key = params[name].data, name
+            if shards and name in shards:
+                tensor = shards[name].take(tensor)
         else:
             raise ModelLoadError(f"unexpected tensor {name!r} in {model_dir}")
         if tuple(dest.shape) != tuple(tensor.shape):
@@ -195,6 +212,16 @@ def _expert_rows(model: nn.Module, quantized: dict, m: re.Match) -> tuple[str, Q
     return key, w, slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
 
 
+def _expert_part(model: nn.Module, m: re.Match, tensor: torch.Tensor) -> torch.Tensor:
+    """A per-expert checkpoint matrix, cut to a tensor-parallel rank's rows (gate, up)
+    or columns (down)."""
+    tp = model.get_submodule(m["experts"]).tp
+    if tp is None:
+        return tensor
+    down = _MIXTRAL_PARTS.get(m["proj"], m["proj"]) == "down_proj"
+    return tp.down(1).take(tensor) if down else tensor[tp.lo:tp.hi]
+
+
 def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
     """Where one expert's gate/up/down matrix goes in the fused [E, 2I, H] / [E, H, I]."""
     e, proj = int(m["e"]), _MIXTRAL_PARTS.get(m["proj"], m["proj"])
@@ -207,15 +234,21 @@ def _expert_slice(params: dict, m: re.Match) -> tuple[str, torch.Tensor]:
     return key, params[key].data[e, rows]
 
 
-def init_dummy(model: nn.Module, std: float, seed: int) -> None:
+def init_dummy(model: nn.Module, std: float, seed: int, shards: dict[str, Shard] | None = None) -> None:
     """Random weights at trained scale: matrices N(0, std), norms 1 (Gemma's (1 + w)
-    norms 0), biases and attention sinks 0."""
+    norms 0), biases and attention sinks 0. A tensor-parallel rank draws each split
+    matrix whole and keeps its part (`shards`): every rank, and an unsplit model, then
+    hold the same weights."""
     zero = {id(m.weight) for m in model.modules() if getattr(m, "unit_offset", False)}
     gen = None
     for name, p in model.named_parameters():
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
-        if p.dim() >= 2:
+        if p.dim() >= 2 and shards and name in shards:
+            shard = shards[name]
+            full = torch.empty(shard.full_shape(p.shape), dtype=p.dtype, device=p.device)
+            p.data.copy_(shard.take(full.normal_(0.0, std, generator=gen)))
+        elif p.dim() >= 2:
             p.data.normal_(0.0, std, generator=gen)
         elif name.endswith(("bias", "sinks")) or id(p) in zero:
             p.data.zero_()
