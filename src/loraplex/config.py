@@ -470,8 +470,13 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    # Ranks the model is split across (runner/tensor_parallel.py): GPUs 0..N-1, or gloo
+    # processes on CPU.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
                              f"got {self.cudagraph_mode!r}")

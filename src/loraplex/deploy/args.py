@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve through Ray Serve with this many engine replicas, routed by adapter "
                         "(starts a local Ray instance unless --ray-address names a cluster)")
     g.add_argument("--gpus-per-replica", type=_positive_float, default=None,
-                   help="GPUs each replica reserves (a fraction shares one; default: 1 where Ray "
-                        "sees GPUs, else 0)")
+                   help="GPUs each replica reserves (a fraction shares one; default: "
+                        "--tensor-parallel-size where Ray sees GPUs, else 0)")
     g.add_argument("--cpus-per-replica", type=_positive_float, default=1.0,
                    help="CPUs each replica reserves in Ray")
     g.add_argument("--max-replicas", type=at_least(1), default=None,

@@ -1,12 +1,13 @@
 """`loraplex serve --data-parallel-size N`: N engines on one host without Ray.
 
-Each engine is a `loraplex serve` process of its own (one GPU each: CUDA_VISIBLE_DEVICES
-is set before it touches CUDA) on a loopback port; this process runs the ingress
-(`ingress.py`) over an `HttpFleet`, which routes with the same policy as the Ray Serve
-router (`routing.AdapterAffinity`). Nothing reports residency here, so the fleet keeps
-each engine's picture itself: the last `max_cpu_loras` adapters it sent there (the
-engine's host tier keeps as many, least recently used out). An engine process that
-dies fails its own requests and leaves the rotation; the others keep serving.
+Each engine is a `loraplex serve` process of its own (one GPU each, or
+--tensor-parallel-size GPUs: CUDA_VISIBLE_DEVICES is set before it touches CUDA) on a
+loopback port; this process runs the ingress (`ingress.py`) over an `HttpFleet`, which
+routes with the same policy as the Ray Serve router (`routing.AdapterAffinity`). Nothing
+reports residency here, so the fleet keeps each engine's picture itself: the last
+`max_cpu_loras` adapters it sent there (the engine's host tier keeps as many, least
+recently used out). An engine process that dies fails its own requests and leaves the
+rotation; the others keep serving.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _engine_process(args: argparse.Namespace, name: str, gpu: int | None, ports)
     """A child: one `loraplex serve` on a loopback port it reports back."""
     args.replica_name = name  # in its receipts
     if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from loraplex.server import run as serve
 
     sock = serve.bind("127.0.0.1", 0)
@@ -92,7 +93,8 @@ def _engine_process(args: argparse.Namespace, name: str, gpu: int | None, ports)
 
 
 def start_engines(args: argparse.Namespace, gpus: int) -> tuple[list, dict[str, str]]:
-    """N engine processes (GPU i for process i where there are GPUs), each ready."""
+    """N engine processes (GPUs i*tp .. (i+1)*tp - 1 for process i where there are GPUs,
+    tp its tensor-parallel size), each ready."""
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA untouched
     child_args = copy.copy(args)
     child_args.data_parallel_size = None
@@ -100,8 +102,10 @@ def start_engines(args: argparse.Namespace, gpus: int) -> tuple[list, dict[str, 
     for i in range(args.data_parallel_size):
         ports = context.Queue()
         name = f"engine-{i}"
+        tp = args.tensor_parallel_size
+        devices = ",".join(str(g) for g in range(i * tp, (i + 1) * tp)) if gpus else None
         p = context.Process(target=_engine_process, name=f"loraplex-{name}", daemon=False,
-                            args=(child_args, name, i if gpus else None, ports))
+                            args=(child_args, name, devices, ports))
         p.start()
         processes.append(p)
         urls[name] = f"http://127.0.0.1:{ports.get(timeout=600)}"
@@ -131,8 +135,10 @@ def run(args: argparse.Namespace, sock) -> int:
     import uvicorn
 
     gpus = torch.cuda.device_count()
-    if gpus and args.data_parallel_size > gpus:
-        raise SystemExit(f"--data-parallel-size {args.data_parallel_size}: only {gpus} GPUs")
+    need = args.data_parallel_size * args.tensor_parallel_size
+    if gpus and need > gpus:
+        raise SystemExit(f"--data-parallel-size {args.data_parallel_size} x --tensor-parallel-size "
+                         f"{args.tensor_parallel_size} needs {need} GPUs; {gpus} are visible")
     processes, urls = start_engines(args, gpus)
     alive = dict(zip(urls, processes))
     fleet = HttpFleet(urls, AdapterAffinity(args.route_miss_cost, args.max_num_seqs),

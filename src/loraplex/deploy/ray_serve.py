@@ -220,7 +220,8 @@ def _gpus_per_replica(args) -> float:
         return args.gpus_per_replica
     import ray
 
-    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    return float(args.tensor_parallel_size) if gpus else 0.0  # a replica's ranks, a GPU each
 
 
 def _scaling(args) -> dict:

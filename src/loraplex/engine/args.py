@@ -32,6 +32,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.tokenizer import load_tokenizer
 from loraplex.errors import ModelLoadError
 from loraplex.models.registry import model_config
+from loraplex.models.tensor_parallel import shard_config
 
 DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -127,6 +128,9 @@ class EngineArgs:
     lora_load_workers: int = _option(4, "threads that load adapters", type=at_least(1))
     lora_load_timeout: float = _option(
         120.0, "seconds before an adapter that has not loaded fails its requests", type=float)
+    tensor_parallel_size: int = _option(
+        1, "split the model across this many GPUs of the host (one process each; gloo "
+        "processes on CPU)", type=at_least(1))
     max_num_seqs: int = _option(256, "most sequences in one step", type=at_least(1))
     max_num_batched_tokens: int | None = _option(
         None, "most tokens in one step; None: max(8192, max-num-seqs)", type=at_least(1))
@@ -192,6 +196,8 @@ class EngineArgs:
         model_cfg = replace(model_cfg, eos_token_ids=tuple(sorted(
             {*model_cfg.eos_token_ids, *_generation_config(self.model)["eos"]})))
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        self._check_tensor_parallel(model_cfg, device, speculative)
         return EngineConfig(
             model_path=str(self.model),
             model=model_cfg,
@@ -219,13 +225,27 @@ class EngineArgs:
                 load_workers=self.lora_load_workers,
                 load_timeout=self.lora_load_timeout,
             ),
-            speculative=SpeculativeConfig.parse(self.speculative_config),
+            speculative=speculative,
+            tensor_parallel_size=self.tensor_parallel_size,
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens or max(8192, self.max_num_seqs),
                 max_model_len=self.max_model_len or model_cfg.max_position_embeddings,
             ),
         )
+
+    def _check_tensor_parallel(self, model_cfg, device: str, speculative: SpeculativeConfig | None) -> None:
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        shard_config(model_cfg, size)  # names what does not split
+        if device.startswith("cuda") and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} but {torch.cuda.device_count()} GPUs are visible")
+        if device.startswith("cuda:"):
+            raise ValueError("with tensor_parallel_size > 1 the ranks take GPUs 0..N-1: say device cuda "
+                             "and choose the GPUs with CUDA_VISIBLE_DEVICES")
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError("a draft model is not served with tensor parallelism (ngram speculation is)")
 
     def _quantization(self, checkpoint: QuantConfig | None) -> QuantConfig | None:
         """The checkpoint's quantization, or the one asked for: load-time fp8, or any

@@ -167,6 +167,7 @@ class AsyncEngine:
         self._stopped = True
         self._commands.put(("wake",))
         await asyncio.to_thread(self._thread.join, 10)
+        self.engine.close()
 
     def hurry(self) -> None:
         """End a drain now (a second signal): unfinished requests get their error at once."""

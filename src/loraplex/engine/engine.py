@@ -30,6 +30,7 @@ from loraplex.engine.structured import GrammarCompiler
 from loraplex.errors import EngineFailure, InvalidRequest, LoRADisabled, PromptTooLong, RequestFailed
 from loraplex.runner.model_runner import ModelRunner
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming
+from loraplex.runner.tensor_parallel import TensorParallelRunner
 from loraplex.types import (
     CompletionOutput,
     Logprob,
@@ -68,7 +69,8 @@ class LLMEngine:
         draft = draft_model_config(config) if spec is not None and spec.method == "draft_model" else None
         # A draft model's cache takes the target's page ids: sized together (draft_model.py).
         shared_page_bytes, reserved_bytes = draft_memory(config, draft) if draft else (0, 0)
-        self.runner = ModelRunner(config, self.eos_token_ids, shared_page_bytes, reserved_bytes)
+        runner = TensorParallelRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.runner = runner(config, self.eos_token_ids, shared_page_bytes, reserved_bytes)
         self.draft_model = DraftModel(config, draft, self.runner.num_blocks) if draft else None
         self.adapters = self._adapter_manager(config) if config.lora.enabled else None
         if self.adapters is not None:
@@ -289,6 +291,11 @@ class LLMEngine:
         for request_id in list(self._live):
             self.abort_request(request_id)
         self._in_flight = None
+
+    def close(self) -> None:
+        """Release what outlives this object: tensor-parallel workers and their group."""
+        self.abort_all()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

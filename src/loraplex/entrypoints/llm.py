@@ -36,6 +36,10 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism) now, not at exit."""
+        self.engine.close()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -3,10 +3,17 @@
 It makes no policy decisions: the plan says which tokens run, where their pages are and
 which adapters to copy into which slots; the runner builds the step's tensors, runs the
 model and samples.
+
+Under tensor parallelism (`tp`) every rank runs a ModelRunner over its shard of the model
+(models/tensor_parallel.py) on the same plans (runner/tensor_parallel.py). Rank 0, the
+leader, samples and broadcasts the ids; the others take them for the next step's pending
+tokens and compute logits only where rank 0 does, since the LM head gathers them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import math
 import random
@@ -24,8 +31,10 @@ from loraplex.errors import RequestFailed
 from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.layers.linear import weights_deferred
+from loraplex.layers.parallel import TPGroup
 from loraplex.models.quant import materialize_weights, quantized_layers
 from loraplex.models.registry import build_model
+from loraplex.models.tensor_parallel import param_shards, shard_config, shard_model
 from loraplex.models.weights import (
     adapter_targets,
     checkpoint_tensor_names,
@@ -55,10 +64,16 @@ logger = logging.getLogger("loraplex")
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
-                 shared_page_bytes: int = 0, reserved_bytes: int = 0):
+                 shared_page_bytes: int = 0, reserved_bytes: int = 0, tp: TPGroup | None = None):
         """shared_page_bytes: what each KV page also costs elsewhere (a draft model's
         cache indexed by the same page ids); reserved_bytes: device memory to leave for
-        weights loaded after this runner sizes its cache (the draft model's)."""
+        weights loaded after this runner sizes its cache (the draft model's); tp: this
+        process's rank of a tensor-parallel group (config.model stays the full model's;
+        the runner's own config holds its shard's sizes)."""
+        self.tp, self.leader = tp, tp is None or tp.rank == 0
+        self.full_model = config.model
+        if tp is not None:
+            config = dataclasses.replace(config, model=shard_config(config.model, tp.size))
         self.config = config
         self.shared_page_bytes, self.reserved_bytes = shared_page_bytes, reserved_bytes
         self.device = torch.device(config.device)
@@ -177,25 +192,30 @@ class ModelRunner:
                 model = build_model(cfg.model, cfg.scheduler.max_model_len)
         finally:
             torch.set_default_dtype(prev)
+        if self.tp is not None:
+            shard_model(model, self.full_model, self.tp)
+        shards = param_shards(model) if self.tp is not None else None
         dummy = cfg.load_format == "dummy"
         names = None if dummy else checkpoint_tensor_names(model, cfg.model_path)
         materialize_weights(model, cfg.model, self.dtype, self.device,
                             quantized_layers(model, cfg.model, names))
         with torch.no_grad():
             if dummy:
-                init_dummy(model, cfg.model.initializer_range, cfg.seed)
+                init_dummy(model, cfg.model.initializer_range, cfg.seed, shards)
             else:
-                load_safetensors(model, cfg.model_path, cfg.model.tie_word_embeddings, cfg.model.quant)
+                load_safetensors(model, cfg.model_path, cfg.model.tie_word_embeddings, cfg.model.quant,
+                                 shards)
         model.eval()
         quantized = [m for m in model.modules() if isinstance(m, ops.QuantizedWeight)]
         n = sum(p.numel() for p in model.parameters()) + sum(math.prod(w.shape) for w in quantized)
         nbytes = (sum(p.numel() * p.element_size() for p in model.parameters())
                   + sum(w.nbytes() for w in quantized))
         formats = cfg.dtype + (f", {len(quantized)} weights {cfg.model.quant.method}" if quantized else "")
+        shard = f" (rank {self.tp.rank} of {self.tp.size})" if self.tp is not None else ""
         logger.info(
-            "loaded %s (%s): %s parameters, %.2f GiB %s on %s in %.1f s",
+            "loaded %s (%s): %s parameters, %.2f GiB %s on %s%s in %.1f s",
             cfg.model.architecture, "dummy weights" if cfg.load_format == "dummy" else cfg.model_path,
-            _count(n), nbytes / 2**30, formats, self.device, time.perf_counter() - t0,
+            _count(n), nbytes / 2**30, formats, self.device, shard, time.perf_counter() - t0,
         )
         return model
 
@@ -216,6 +236,8 @@ class ModelRunner:
             num_blocks = min(useful, max(0, self._profile_free_memory() - self.reserved_bytes) // cost)
         else:
             num_blocks = min(useful, max(0, cfg.cache.cpu_kv_cache_bytes - self.reserved_bytes) // cost)
+        if self.tp is not None:  # one page table for all ranks: the smallest cache
+            num_blocks = self.tp.min(num_blocks, self.device)
         if num_blocks < cfg.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks * bs} tokens, less than max_model_len="
@@ -292,6 +314,13 @@ class ModelRunner:
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         return launched.result()
+
+    def close(self) -> None:
+        """Drop the CUDA graphs (under tensor parallelism NCCL frees a communicator only
+        after the graphs that captured its collectives are gone)."""
+        self.synchronize()
+        self.graphs = None
+        gc.collect()
 
     def _launch(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter], timed: bool) -> LaunchedStep:
         for request_id in plan.finished_request_ids:
@@ -414,6 +443,21 @@ class ModelRunner:
 
     def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, out: LaunchedStep):
         chunks = [plan.chunks[i] for i in rows]
+        if not self.leader:  # the leader's ids, for the pending tokens of the next step
+            token_ids = self.tp.broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device))
+            self._last_token_ids, self._last_step = token_ids, out
+            self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
+            return
+        try:
+            self._sample_rows(chunks, rows, logits, out)
+        finally:
+            if self.tp is not None:  # the other ranks wait for ids: they get them even on failure
+                ids = out.token_ids if out.token_ids is not None else torch.zeros(
+                    len(rows), dtype=torch.int64, device=self.device)
+                self.tp.broadcast(ids)
+
+    def _sample_rows(self, chunks: list[ScheduledChunk], rows: list[int], logits: torch.Tensor,
+                     out: LaunchedStep):
         generators, banned, seeds, rules = zip(*(self._row_state(c) for c in chunks))
         sampling_rows = SamplingRows(
             temperature=[c.sampling.temperature for c in chunks],
@@ -451,6 +495,8 @@ class ModelRunner:
             num.append(len(d))
         sps = [plan.chunks[i].sampling for i in spec for _ in range(k + 1)]
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+        if not self.leader:  # the leader verifies; the step after it is planned from its result
+            return
         drafts, num = to_device(drafts, torch.int64, self.device), to_device(num, torch.int64, self.device)
         if all(sp.greedy for sp in sps):
             verified = greedy_verify(logits.view(len(spec), k + 1, -1), drafts, num)
@@ -480,8 +526,10 @@ class ModelRunner:
         for a in range(0, len(rows), 1024):
             idx = to_device(rows[a : a + 1024], torch.int64, self.device)
             tgt = to_device(targets[a : a + 1024], torch.int64, self.device)
-            parts.append(token_logprobs(self.model.compute_logits(hidden[idx]), tgt, max_top))
-        out.prompt_lps = concat_logprobs(parts)
+            logits = self.model.compute_logits(hidden[idx])
+            if self.leader:
+                parts.append(token_logprobs(logits, tgt, max_top))
+        out.prompt_lps = concat_logprobs(parts) if self.leader else None
 
     def _row_state(self, chunk: ScheduledChunk) -> tuple:
         """A sampled row's generator, banned tokens, draw key and logit rules; what fails
