@@ -8,7 +8,8 @@
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
-#        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed)
+#        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
+#        tp (two GPUs or more)
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -194,6 +195,25 @@ for step in $STEPS; do
           | grep -v "it/s" > "$OUT/llama-${q:-bf16}.txt"
         grep -E "^\| llama|GiB" "$OUT/llama-${q:-bf16}.txt" | tail -4
       done ;;
+    tp)  # RESULTS: "Tensor parallel" (two GPUs or more; TP_PARTS picks): the TP tests in bf16, Llama-3.1-8B
+      # TP=1 vs TP=2 at 64 in flight, Llama-3.1-70B TP=2 base and 32 adapters of rank 16 at 32 in flight
+      for part in ${TP_PARTS:-tests 8b 70b}; do case $part in
+      tests) LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 300 python3 -m pytest -q \
+          -p no:cacheprovider tests/test_tensor_parallel.py --tb=short > "$OUT/tp-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR|E  )" "$OUT/tp-tests.log" | head -20; tail -1 "$OUT/tp-tests.log" ;;
+      8b) for tp in 1 2; do
+          timeout 300 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b --tensor-parallel-size $tp \
+            --num-adapters 0 32 --max-loras 32 --max-lora-rank 16 --num-prompts ${PROMPTS:-256} \
+            --max-concurrency 64 --input-len 512 --output-len 128 --max-model-len 1024 --cache-dir "$CACHE" \
+            --result-json "$OUT/tp-8b-tp$tp.json" 2>&1 | grep -v "it/s" > "$OUT/tp-8b-tp$tp.txt"
+          grep -E "^\| |GiB|Error|error" "$OUT/tp-8b-tp$tp.txt" | tail -6
+        done ;;
+      70b) timeout 500 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-70b --tensor-parallel-size 2 \
+          --num-adapters 0 32 --max-loras 32 --max-lora-rank 16 --num-prompts ${PROMPTS70:-96} \
+          --max-concurrency 32 --input-len 512 --output-len 128 --max-model-len 1024 \
+          --gpu-memory-utilization 0.95 --cache-dir "$CACHE" --result-json "$OUT/tp-70b.json" 2>&1 \
+          | grep -v "it/s" > "$OUT/tp-70b.txt"; grep -E "^\| |GiB|Error|error" "$OUT/tp-70b.txt" | tail -8 ;;
+      esac; done ;;
     spec-cost)  # RESULTS: "Speculative decoding" (dummy weights: a k = 4 verify step against a decode
       # step, 16 in flight; a run with proposals that are never kept against speculation off)
       run spec-cost-llama 250 speculative --workload cost --model llama-3.1-8b --batch 16 --k 4 \
