@@ -5,6 +5,8 @@ refused at startup, naming it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import (
@@ -26,6 +28,7 @@ from test_moe import _per_expert_adapter
 from loraplex import LoRARequest, SamplingParams
 from loraplex.bench.synthetic import write_random_model
 from loraplex.errors import AdapterInvalid, UnsupportedModel
+from loraplex.runner.tensor_parallel import WORKER_LOST_STATUS
 
 # GPUs: as many ranks as there are GPUs for (a machine with one GPU runs none of these).
 SIZES = [2, 4] if DEVICE == "cpu" else [n for n in (2, 4) if n <= torch.cuda.device_count()]
@@ -213,3 +216,26 @@ def test_served_over_http_like_one_process(chat_model):
         assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) <= batch_tolerance()
     else:  # bf16 may part at a near-tie later on
         assert got[0][0] == want[0][0] and abs(got[0][1] - want[0][1]) <= 0.1
+
+
+def test_a_lost_worker_ends_the_process_not_hangs_it(dense, tmp_path):
+    """A worker that dies would leave the leader waiting in its next collective: the
+    process ends instead, with its own status and a line naming the rank."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "lose_a_worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import make_llm
+        from loraplex import SamplingParams
+        llm = make_llm({str(dense["llama"][0])!r}, tensor_parallel_size=2)
+        os.kill(llm.engine.runner._procs[0].pid, signal.SIGKILL)
+        while True:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == WORKER_LOST_STATUS, done.stderr[-2000:]
+    assert "tensor-parallel rank 1 exited" in done.stderr

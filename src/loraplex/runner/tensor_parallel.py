@@ -24,6 +24,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
@@ -41,9 +42,11 @@ from loraplex.types import StepPlan, StepResult
 
 logger = logging.getLogger("loraplex")
 
-# How long a rank waits in a collective for the others (a worker that died at startup
-# makes the leader fail after this, not hang).
+# How long a rank waits in a collective for the others.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# A worker that exits while the engine runs leaves every later collective waiting: the
+# process ends with this status (a supervisor restarts it) instead of hanging.
+WORKER_LOST_STATUS = 70
 
 
 class TensorParallelRunner:
@@ -62,7 +65,10 @@ class TensorParallelRunner:
             conn.send_bytes(pickle.dumps((config, eos_token_ids, rank, init_method)))
             self._conns.append(conn)
             self._procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
+        self._closing = threading.Event()
+        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs, self._closing)
+        threading.Thread(target=_watch, args=(self._procs, self._closing), name="loraplex-tp-watch",
+                         daemon=True).start()
         init_group(config, 0, size, init_method)
         self.runner = ModelRunner(config, eos_token_ids, shared_page_bytes, reserved_bytes,
                                   tp=TPGroup(0, size))
@@ -116,6 +122,7 @@ class TensorParallelRunner:
         start after). NCCL's teardown waits for every rank: all ranks leave together."""
         if not self._finalizer.alive:
             return
+        self._closing.set()
         for conn in self._conns:
             conn.send_bytes(pickle.dumps(("stop",)))
         self.runner.close()
@@ -127,7 +134,7 @@ class TensorParallelRunner:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), 1):
             if proc.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (status {proc.returncode})")
+                _lost(rank, proc.returncode)
             conn.send_bytes(data)
 
 
@@ -166,9 +173,23 @@ def init_group(config: EngineConfig, rank: int, size: int, init_method: str) -> 
     return device
 
 
-def _stop(conns, procs) -> None:
+def _watch(procs, closing: threading.Event) -> None:
+    while not closing.wait(0.5):
+        for rank, proc in enumerate(procs, 1):
+            if proc.poll() is not None and not closing.is_set():
+                _lost(rank, proc.returncode)
+
+
+def _lost(rank: int, status: int) -> None:
+    logger.critical("tensor-parallel rank %d exited (status %s); the others would wait for it forever: "
+                    "ending this process", rank, status)
+    os._exit(WORKER_LOST_STATUS)
+
+
+def _stop(conns, procs, closing: threading.Event) -> None:
     """Close the workers' pipes (a worker that was not told to stop ends at the pipe's
     end) and wait for them."""
+    closing.set()
     for conn in conns:
         conn.close()
     for proc in procs:
