@@ -30,6 +30,7 @@ class ArchitectureFacts:
     norm_topk_prob: bool = False  # for configs that do not say
     activation: str | None = None  # the experts' activation, whatever hidden_act says
     swiglu_limit: float | None = None  # for configs that do not say
+    mla: bool = False  # DeepSeek's multi-head latent attention, shared experts
 
 
 # Stop strings loraplex reads from a model's generation_config.json beside transformers'
@@ -139,6 +140,49 @@ _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: keys and values of every head come from
+    one compressed latent (kv_lora_rank values, RMS-normed) through kv_b_proj, and one
+    rotary key of qk_rope_head_dim is shared by the heads; the cache holds those two
+    (layers/mla.py)."""
+
+    q_lora_rank: int | None  # None: q_proj; else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scale: float  # the softmax scale: (nope + rope)^-0.5, YaRN's mscale_all_dim squared
+
+    @property
+    def cache_dim(self) -> int:
+        """Values a token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, arch: str, hf, rope: dict) -> MLAConfig:
+        if getattr(hf, "attention_bias", False):
+            raise UnsupportedModel(f"{arch}: attention_bias with latent attention is not supported")
+        method = getattr(hf, "topk_method", "greedy")
+        if method != "greedy":
+            raise UnsupportedModel(f"{arch}: topk_method {method!r} is not supported (greedy is)")
+        if getattr(hf, "scoring_func", "softmax") != "softmax":
+            raise UnsupportedModel(f"{arch}: scoring_func {hf.scoring_func!r} is not supported")
+        qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+        return cls(hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim,
+                   hf.v_head_dim, qk**-0.5 * _softmax_mscale(rope) ** 2)
+
+
+def _softmax_mscale(rope: dict) -> float:
+    """DeepSeek's YaRN also scales the softmax: by 0.1 m ln(factor) + 1 squared, m its
+    mscale_all_dim (transformers' yarn_get_mscale)."""
+    m = rope.get("mscale_all_dim")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default" or not m or rope.get("factor", 1) <= 1:
+        return 1.0
+    return 0.1 * m * math.log(rope["factor"]) + 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -182,6 +226,11 @@ class ModelConfig:
     # (attention may go "nowhere"); checkpoints hold it as self_attn.sinks [num_heads].
     attention_sinks: bool = False
     quant: QuantConfig | None = None  # None: the checkpoint's own dtype throughout
+    mla: MLAConfig | None = None  # DeepSeek's latent attention (its KV cache is the latent)
+    # DeepSeek MoE: an MLP of num_shared_experts x moe_intermediate_size beside the routed
+    # experts, whose weights are multiplied by routed_scaling_factor.
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -231,6 +280,7 @@ class ModelConfig:
             experts = getattr(hf, "num_experts", None) or hf.num_local_experts  # Mixtral's name
             step = getattr(hf, "decoder_sparse_step", 1)
             dense = set(getattr(hf, "mlp_only_layers", None) or [])
+            dense |= set(range(getattr(hf, "first_k_dense_replace", 0)))  # DeepSeek
             moe = dict(
                 moe_layers=tuple(i for i in range(n_layers)
                                  if experts > 0 and i not in dense and (i + 1) % step == 0),
@@ -238,6 +288,8 @@ class ModelConfig:
                 moe_intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
                 norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.norm_topk_prob)),
                 swiglu_limit=getattr(hf, "swiglu_limit", facts.swiglu_limit),
+                num_shared_experts=getattr(hf, "n_shared_experts", None) or 0,
+                routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0)),
             )
         return cls(
             architecture=arch,
@@ -268,6 +320,7 @@ class ModelConfig:
             final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
             attention_sinks=facts.sinks,
             quant=quant,
+            mla=MLAConfig.from_hf(arch, hf, rope["full_attention"]) if facts.mla else None,
             **moe,
         )
 

@@ -21,6 +21,10 @@ class PagedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def kv_cache_spec(self) -> dict[str, tuple[int, ...]]:
+        """The cache tensors this layer needs, each [num_blocks, block_size, *shape]."""
+        return {"k_cache": (self.num_kv_heads, self.head_dim), "v_cache": (self.num_kv_heads, self.head_dim)}
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; sinks [Hq]: see ops.paged_attention."""

@@ -64,11 +64,14 @@ class SparseMoE(nn.Module):
         setattr(self, router_name, LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias))
         self.experts = Experts(cfg, bias=bias)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.routed_scale = cfg.routed_scaling_factor  # DeepSeek: the routed weights times this
         self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)
         weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        if self.routed_scale != 1.0:
+            weights = weights * self.routed_scale
         e, ctx = self.experts, get_forward_context()
         # [T, top_k, H], unsummed: the next residual add + RMSNorm sums each token's rows.
         out = ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,

@@ -60,13 +60,13 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused into one matmul; act is SiLU or
     tanh GELU."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
         self.activation = cfg.activation
         self.act_and_mul = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[
             cfg.activation
         ]
-        size = cfg.intermediate_size
+        size = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = LoRALinear(
             cfg.hidden_size, [size, size], ["gate_proj", "up_proj"], bias=cfg.mlp_bias
         )
@@ -86,9 +86,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, layer, rotary)
+        self.self_attn = self.make_attention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.make_mlp(cfg, layer)
+
+    def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+        return SelfAttention(cfg, layer, rotary)
 
     def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return GatedMLP(cfg)

@@ -13,6 +13,7 @@ from torch import nn
 
 from loraplex.config import ArchitectureFacts, ModelConfig
 from loraplex.errors import UnsupportedModel
+from loraplex.models.deepseek_v2 import DeepseekV2CausalLM
 from loraplex.models.dense import DenseCausalLM
 from loraplex.models.gemma3 import Gemma3CausalLM
 from loraplex.models.gpt_oss import GptOssCausalLM
@@ -47,6 +48,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GptOssForCausalLM": Architecture(GptOssCausalLM, ArchitectureFacts(
         qk_norm=False, moe=True, norm_topk_prob=True, activation="swiglu_oai", sinks=True,
         swiglu_limit=7.0)),
+    # DeepSeek-V2: multi-head latent attention; dense first layers, then sparse MLPs with
+    # shared experts (softmax router, greedy top-k, not renormalised unless it says so).
+    "DeepseekV2ForCausalLM": Architecture(DeepseekV2CausalLM, ArchitectureFacts(
+        qk_norm=False, qkv_bias=False, o_bias=False, moe=True, mla=True)),
 }
 
 

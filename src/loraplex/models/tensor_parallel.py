@@ -35,6 +35,8 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if cfg.quant is not None:
         raise UnsupportedModel(f"{cfg.architecture}: tensor parallelism serves bf16/float checkpoints; "
                                f"this one is {cfg.quant.method}")
+    if cfg.mla is not None:
+        raise UnsupportedModel(f"{cfg.architecture}: latent attention is not split across ranks yet")
     checks = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe_layers:
         checks["moe_intermediate_size"] = cfg.moe_intermediate_size

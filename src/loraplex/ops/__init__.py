@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, MoELoRA, QKNorm
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, MLALoRA, MoELoRA, QKNorm
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
 _impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
@@ -199,6 +199,33 @@ def paged_attention(
     Returns [T, Hq, D].
     """
     return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
+
+
+def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Semantics: cache.view(-1, D)[slot_mapping[t]] = latent[t] for every t with
+    slot_mapping[t] >= 0. latent [T, D] (the normed KV latent, then the rotated key),
+    cache [num_blocks, block_size, D]."""
+    _impl.write_latent_cache(latent, cache, slot_mapping)
+
+
+def mla_attention(
+    q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
+    w_uv: torch.Tensor, batch: AttentionBatch, scale: float, lora: MLALoRA | None = None,
+) -> torch.Tensor:
+    """Semantics: multi-head latent attention over the cache, kv_b_proj absorbed.
+
+    With c_j, k_j a context token's latent [r] and rotary key [d] (cache rows: c then k),
+    head h of token t (adapter slot s) attends with
+      q_lat = W_uk[h]^T q_nope[t, h] + A_s^T (B_k[s, h]^T q_nope[t, h])       [r]
+      score_j = scale * (q_lat . c_j + q_pe[t, h] . k_j), causal as paged_attention
+      o = W_uv[h] o_lat + B_v[s, h] (A_s o_lat), o_lat = sum_j softmax(score)_j c_j
+    which equals expanding every c_j through kv_b_proj + its adapter (keys [W_uk; W_uv]
+    rows per head) and attending over the expanded keys and values.
+
+    q_nope [T, H, n], q_pe [T, H, d], cache [num_blocks, block_size, r + d], w_uk [H, n, r],
+    w_uv [H, v, r] -> [T, H, v] in q's dtype. Rows of sequences with no context are 0.
+    """
+    return _impl.mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):

@@ -94,6 +94,18 @@ class MoELoRA:
     ranks: torch.Tensor | None = None
 
 
+@dataclass
+class MLALoRA:
+    """Adapters on kv_b_proj of one latent-attention layer, for one step: slot s holds
+    A [R, kv_lora_rank] and B split per head into its key rows [nope, R] and value rows
+    [v, R] (scaling folded into B, zero past the adapter's rank)."""
+
+    a: torch.Tensor  # [max_loras, R, kv_lora_rank]
+    b_k: torch.Tensor  # [max_loras, H, qk_nope_head_dim, R]
+    b_v: torch.Tensor  # [max_loras, H, v_head_dim, R]
+    batch: LoRABatch  # which tokens use which slot
+
+
 def group_tokens(token_slot: np.ndarray, slot_ranks: list[int], max_loras: int):
     """Token indices ordered by adapter slot, base tokens (-1) last (stable), and the
     groups of that order. Returns (order, groups)."""

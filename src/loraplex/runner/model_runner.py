@@ -28,7 +28,6 @@ from loraplex.adapters.slots import LoRASlotBuffers
 from loraplex.config import EngineConfig
 from loraplex.device import to_device
 from loraplex.errors import RequestFailed
-from loraplex.layers.attention import PagedAttention
 from loraplex.layers.context import ForwardContext, forward_context
 from loraplex.layers.linear import weights_deferred
 from loraplex.layers.parallel import TPGroup
@@ -127,7 +126,10 @@ class ModelRunner:
         self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
                           if config.measure_moe_routing and config.model.moe_layers else None)
         self.num_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda" and config.ops_backend == "triton" and config.cudagraph_mode != "NONE":
+        # Latent attention (DeepSeek) has no kernel yet: its reference op reads the batch
+        # from the host, which a graph would freeze.
+        if (self.device.type == "cuda" and config.ops_backend == "triton" and config.cudagraph_mode != "NONE"
+                and config.model.mla is None):
             mixed = (min(sched.max_num_batched_tokens, config.max_cudagraph_capture_size)
                      if config.cudagraph_mode == "FULL" else None)
             self.graphs = StepGraphs(
@@ -219,14 +221,22 @@ class ModelRunner:
         )
         return model
 
-    def _attention_layers(self) -> list[PagedAttention]:
-        return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+    def _attention_layers(self) -> list[torch.nn.Module]:
+        """Layers that keep a KV cache: each says its tensors (kv_cache_spec)."""
+        return [m for m in self.model.modules() if hasattr(m, "kv_cache_spec")]
+
+    def _bind_kv_cache(self, layers: list[torch.nn.Module], num_blocks: int) -> None:
+        bs, dtype = self.config.cache.block_size, self.dtype
+        for layer in layers:
+            for name, shape in layer.kv_cache_spec().items():
+                setattr(layer, name, torch.empty((num_blocks, bs, *shape), dtype=dtype, device=self.device))
 
     def _allocate_kv_cache(self) -> int:
         cfg = self.config
         layers = self._attention_layers()
         bs = cfg.cache.block_size
-        per_block = 2 * len(layers) * bs * cfg.model.kv_size * self.dtype.itemsize
+        per_block = bs * self.dtype.itemsize * sum(
+            math.prod(shape) for layer in layers for shape in layer.kv_cache_spec().values())
         cost = per_block + self.shared_page_bytes  # a page here and its twin elsewhere
         # More pages than max_num_seqs full-length sequences can never be used.
         useful = cfg.scheduler.max_num_seqs * cfg.max_blocks_per_seq
@@ -243,12 +253,9 @@ class ModelRunner:
                 f"the KV cache holds {num_blocks * bs} tokens, less than max_model_len="
                 f"{cfg.scheduler.max_model_len}; lower max_model_len or give it more memory"
             )
-        shape = (num_blocks, bs, cfg.model.num_kv_heads, cfg.model.head_dim)
         # Uninitialised: attention reads only slots a step has written, and on CPU untouched
         # pages of a large cache then cost no memory.
-        for layer in layers:
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._bind_kv_cache(layers, num_blocks)
         logger.info(
             "KV cache: %d pages of %d tokens (%.2f GiB)", num_blocks, bs,
             num_blocks * per_block / 2**30,
@@ -276,18 +283,15 @@ class ModelRunner:
     def run_largest_step(self) -> None:
         """Run the largest step the scheduler can plan, on a throwaway KV cache."""
         plan, num_blocks = largest_step(self.config)
-        cfg = self.config
-        shape = (num_blocks, cfg.cache.block_size, cfg.model.num_kv_heads, cfg.model.head_dim)
         layers = self._attention_layers()
-        saved = [(layer.k_cache, layer.v_cache) for layer in layers]
-        for layer in layers:
-            layer.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        saved = [{name: getattr(layer, name) for name in layer.kv_cache_spec()} for layer in layers]
+        self._bind_kv_cache(layers, num_blocks)
         try:
             self.run(plan)
         finally:
-            for layer, (k, v) in zip(layers, saved):
-                layer.k_cache, layer.v_cache = k, v
+            for layer, tensors in zip(layers, saved):
+                for name, tensor in tensors.items():
+                    setattr(layer, name, tensor)
 
     # -- steps ---------------------------------------------------------------------------
 

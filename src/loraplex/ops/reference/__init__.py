@@ -9,6 +9,7 @@ from loraplex.ops.reference.elementwise import (
     silu_and_mul,
 )
 from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_shrink
+from loraplex.ops.reference.mla import mla_attention, write_latent_cache
 from loraplex.ops.reference.moe import fused_experts, route_experts
 from loraplex.ops.reference.quant import dequantize, quantize
 from loraplex.ops.reference.quant import linear as quant_linear
@@ -21,6 +22,8 @@ from loraplex.ops.reference.train_moe import (
 )
 
 __all__ = [
+    "mla_attention",
+    "write_latent_cache",
     "dequantize",
     "fused_experts",
     "quant_linear",

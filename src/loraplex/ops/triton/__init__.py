@@ -31,6 +31,11 @@ from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
+# Latent attention has no kernel yet: the reference op, in eager steps (the runner
+# captures no CUDA graph of a model with latent attention).
+mla_attention = reference.mla_attention
+write_latent_cache = reference.write_latent_cache
+
 
 def lora_shrink(x, lora_a, batch):
     if x.shape[0] <= GEMV_MAX_TOKENS:
@@ -73,6 +78,8 @@ def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
 
 
 __all__ = [
+    "mla_attention",
+    "write_latent_cache",
     "dequantize",
     "fused_experts",
     "quant_linear",

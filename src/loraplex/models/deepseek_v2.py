@@ -1,0 +1,98 @@
+"""DeepSeek-V2 (V2-Lite's config and V2's): multi-head latent attention, dense first
+layers, MoE layers with shared experts beside the routed ones.
+
+Attention (MLA): q_proj (or q_a_proj -> norm -> q_b_proj) gives each head a query of
+qk_nope + qk_rope dims; kv_a_proj_with_mqa gives one latent (normed) and one rotary key
+that every head shares; kv_b_proj would expand the latent into each head's key and value
+but is absorbed into the query and output instead (layers/mla.py), so the cache holds
+kv_lora_rank + qk_rope_head_dim values per token per layer. q_proj (or q_a_proj) and
+kv_a_proj_with_mqa read the same input: one fused LoRALinear. Checkpoints rotate the
+rotary dims as interleaved pairs; loraplex's rotary op rotates halves, so both the query's
+and the key's rotary parts are de-interleaved first: the same permutation on both sides
+leaves every q . k as it was.
+
+MoE: the routed experts are SparseMoE's (softmax, greedy top-k, weights times
+routed_scaling_factor); the shared experts are a gated MLP of n_shared_experts x
+moe_intermediate_size whose output joins the routed rows that the next norm sums.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplex.config import ModelConfig
+from loraplex.layers.linear import LoRALinear
+from loraplex.layers.mla import LatentAttention
+from loraplex.layers.moe import SparseMoE
+from loraplex.layers.norm import RMSNorm
+from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.models.blocks import DecoderLayer, GatedMLP
+from loraplex.models.dense import DenseCausalLM
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep their class default, whatever
+# rms_norm_eps says.
+_LATENT_NORM_EPS = 1e-6
+
+
+class LatentSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        m = self.mla = cfg.mla
+        self.num_heads = h = cfg.num_heads
+        q_out = h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        if m.q_lora_rank is None:
+            self.qkv_a_proj = LoRALinear(cfg.hidden_size, [q_out, m.cache_dim],
+                                         ["q_proj", "kv_a_proj_with_mqa"])
+        else:
+            self.qkv_a_proj = LoRALinear(cfg.hidden_size, [m.q_lora_rank, m.cache_dim],
+                                         ["q_a_proj", "kv_a_proj_with_mqa"])
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = LoRALinear(m.q_lora_rank, [q_out], ["q_b_proj"])
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = LoRALinear(m.kv_lora_rank, [h * (m.qk_nope_head_dim + m.v_head_dim)], ["kv_b_proj"])
+        self.o_proj = LoRALinear(h * m.v_head_dim, [cfg.hidden_size], ["o_proj"])
+        self.rotary = rotary
+        self.attn = LatentAttention(m, h)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        m, t = self.mla, x.shape[0]
+        q, kv_a = self.qkv_a_proj(x).split(self.qkv_a_proj.output_sizes, dim=-1)
+        if m.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split((m.qk_nope_head_dim, m.qk_rope_head_dim), -1)
+        latent, k_pe = kv_a.split((m.kv_lora_rank, m.qk_rope_head_dim), -1)
+        q_pe, k_pe = self.rotary(positions, _deinterleave(q_pe), _deinterleave(k_pe.view(t, 1, -1)))
+        latent = self.kv_a_layernorm(latent.contiguous())
+        o = self.attn(q_nope, q_pe, latent, k_pe.view(t, -1), self.kv_b_proj)
+        return self.o_proj(o.reshape(t, -1))
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Pairs (x0, x1), (x2, x3), ... -> (x0, x2, ..., x1, x3, ...): rotating halves of the
+    result is rotating the pairs of x."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2).contiguous()
+
+
+class SharedExpertsMoE(SparseMoE):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, router_name="gate")
+        self.shared_experts = GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)  # [T, top_k, H], unsummed
+        return torch.cat((routed, self.shared_experts(x).unsqueeze(1)), 1)
+
+
+class DeepseekV2DecoderLayer(DecoderLayer):
+    def make_attention(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> nn.Module:
+        return LatentSelfAttention(cfg, rotary)
+
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        if layer not in cfg.moe_layers:
+            return GatedMLP(cfg)
+        return SharedExpertsMoE(cfg) if cfg.num_shared_experts else SparseMoE(cfg, router_name="gate")
+
+
+class DeepseekV2CausalLM(DenseCausalLM):
+    layer_cls = DeepseekV2DecoderLayer

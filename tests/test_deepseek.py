@@ -1,0 +1,114 @@
+"""DeepSeek-V2 against transformers (+ PEFT): multi-head latent attention (q_proj, or
+q_a_proj -> norm -> q_b_proj; YaRN's softmax scale), a dense first layer, MoE layers with
+shared experts and scaled routed weights; adapters on every projection and every routed
+expert, mixed with base rows; the cache holds the latent, not keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import BOS, DTYPE, EOS, VOCAB, HFOracle, make_llm, make_peft_adapter, random_prompts, tolerance
+
+from loraplex import LoRARequest, SamplingParams
+from loraplex.bench.synthetic import write_random_model
+from loraplex.errors import UnsupportedModel
+
+SP = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0, logprobs=5)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+
+
+def tiny_config(**overrides):
+    """3 layers (the first dense), 4 heads, latent 32, rotary 8, 8 routed experts (top-2)
+    and 2 shared ones."""
+    import transformers
+
+    return transformers.DeepseekV2Config(**{**dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
+        norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=512,
+        bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.08,
+        architectures=["DeepseekV2ForCausalLM"],
+    ), **overrides})
+
+
+VARIANTS = {
+    "q_proj": {},  # V2-Lite's form
+    "q_lora-yarn": dict(q_lora_rank=24, rope_parameters=YARN),  # V2's
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def deepseek(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"deepseek-{request.param}")
+    model_dir = write_random_model(root / "model", tiny_config(**VARIANTS[request.param]), 0)
+    q = ["q_proj"] if request.param == "q_proj" else ["q_a_proj", "q_b_proj"]
+    adapter = make_peft_adapter(
+        model_dir, root / "adapter", seed=3, r=4, lora_alpha=8,
+        target_modules=[*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return model_dir, adapter
+
+
+def _prompt_lps(out, prompt) -> torch.Tensor:
+    return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: every position; bf16: the median (a router near a tie may pick another expert)."""
+    if DTYPE == "float32":
+        torch.testing.assert_close(got, want, atol=tolerance(), rtol=0)
+    else:
+        assert (got - want).abs().median() <= tolerance(), (got - want).abs()
+
+
+def test_matches_transformers(deepseek):
+    model_dir, _ = deepseek
+    llm = make_llm(model_dir)
+    cfg = llm.config.model
+    assert cfg.moe_layers == (1, 2) and cfg.num_shared_experts == 2 and cfg.mla.cache_dim == 40
+    oracle = HFOracle(model_dir)
+    prompts = random_prompts(3, (5, 40), seed=1)
+    for prompt, out in zip(prompts, llm.generate(prompts, SP)):
+        _assert_close(_prompt_lps(out, prompt), oracle.prompt_logprobs(prompt))
+        if DTYPE == "float32":
+            assert out.outputs[0].token_ids == oracle.greedy(prompt, SP.max_tokens)
+
+
+def test_adapters_on_every_projection_and_expert_mixed_with_base_rows(deepseek):
+    """kv_b_proj's adapter is applied inside the absorbed attention, exactly."""
+    model_dir, adapter = deepseek
+    llm = make_llm(model_dir)
+    prompts = random_prompts(4, (5, 30), seed=2)
+    lora = LoRARequest("all", 1, str(adapter))
+    outs = llm.generate(prompts, SP, [lora, None, lora, None])
+    adapted, base = HFOracle(model_dir, adapter), HFOracle(model_dir)
+    assert (adapted.prompt_logprobs(prompts[0]) - base.prompt_logprobs(prompts[0])).abs().max() > 0.1
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        _assert_close(_prompt_lps(out, prompt), (adapted if i % 2 == 0 else base).prompt_logprobs(prompt))
+
+
+def test_cache_holds_the_latent_and_prefixes_are_reused(deepseek):
+    """One cache tensor per layer of kv_lora_rank + qk_rope_head_dim values a token;
+    a repeated prompt reads its cached pages and gives the same logprobs."""
+    model_dir, _ = deepseek
+    llm = make_llm(model_dir)
+    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "kv_cache_spec")]
+    assert [m.kv_cache_spec() for m in layers] == [{"latent_cache": (40,)}] * 3
+    assert layers[0].latent_cache.shape[-1] == 40
+    prompt = random_prompts(1, (40, 41), seed=4)[0]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)  # (prompt logprobs
+    first, second = (llm.generate([prompt], sp)[0].outputs[0] for _ in range(2))  # recompute all)
+    assert llm.generate([prompt], sp)[0].num_cached_tokens >= 32
+    assert second.token_ids == first.token_ids
+    lps = [[pos[t].logprob for pos, t in zip(o.logprobs, o.token_ids)] for o in (first, second)]
+    torch.testing.assert_close(torch.tensor(lps[1]), torch.tensor(lps[0]), atol=1e-5, rtol=0)
+
+
+def test_unsupported_variants_are_refused(tmp_path):
+    model_dir = write_random_model(tmp_path / "grouped", tiny_config(topk_method="group_limited_greedy",
+                                                                     n_group=2, topk_group=1), 0)
+    with pytest.raises(UnsupportedModel, match="topk_method 'group_limited_greedy'"):
+        make_llm(model_dir)
