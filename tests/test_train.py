@@ -37,6 +37,13 @@ def _moe_config(arch: str):
         return transformers.Qwen3MoeConfig(
             intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, head_dim=32, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], **MOE)
+    if arch == "deepseek_v2":  # latent attention (q_a/q_b), a dense first layer, shared experts
+        return transformers.DeepseekV2Config(
+            intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, kv_lora_rank=32,
+            q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+            n_shared_experts=2,
+            num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
+            **{**MOE, "num_key_value_heads": 4})
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                           num_experts_per_tok=2, **MOE)
@@ -49,7 +56,8 @@ def moe_dirs(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("train-moe")
-    dirs = {a: write_random_model(root / a, _moe_config(a), 0) for a in ("qwen3moe", "mixtral", "gpt_oss")}
+    dirs = {a: write_random_model(root / a, _moe_config(a), 0)
+            for a in ("qwen3moe", "mixtral", "gpt_oss", "deepseek_v2")}
     tok = AutoTokenizer.from_pretrained(dirs["qwen3moe"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(dirs["qwen3moe"])
@@ -89,7 +97,8 @@ def _model_dir(arch, model_dirs, moe_dirs):
     return model_dirs[arch] if arch in model_dirs else moe_dirs[arch]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss",
+                                  "deepseek_v2"])
 def test_loss_and_grads_match_peft(arch, model_dirs, moe_dirs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

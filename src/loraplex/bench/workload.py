@@ -22,8 +22,9 @@ import numpy as np
 from loraplex.bench.synthetic import LINEAR_TARGETS, write_random_adapter, write_word_tokenizer
 from loraplex.errors import ModelLoadError
 
-BUNDLED_CONFIGS = ("llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b", "gpt-oss-20b")
-MOE_CONFIGS = ("qwen3-30b-a3b", "gpt-oss-20b")  # those `loraplex tune` takes
+BUNDLED_CONFIGS = ("llama-3.1-8b", "llama-3.1-70b", "qwen3-8b", "qwen3-0.6b", "qwen3-30b-a3b", "gpt-oss-20b",
+                   "deepseek-v2-lite")
+MOE_CONFIGS = ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite")  # those `loraplex tune` takes
 
 
 @dataclass

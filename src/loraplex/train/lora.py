@@ -21,8 +21,12 @@ from torch import nn
 
 from loraplex.train.moe import CombineByToken, ExpertProjection, GatedDown, SortedPairs, sort_pairs
 
-LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Attention projections by name: the usual four, and DeepSeek's latent attention (q_proj or
+# q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj).
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                     "kv_b_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LINEAR_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
@@ -120,10 +124,13 @@ class LoRAExperts(nn.Module):
 
 
 def default_targets(model: nn.Module) -> tuple[str, ...]:
-    """Every linear projection of attention and MLP; on an MoE model attention + experts."""
+    """Every linear projection of attention and MLP the model has; on an MoE model
+    attention + experts."""
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    attention = tuple(t for t in ATTENTION_TARGETS if t in present)
     if any(is_experts(m) for m in model.modules()):
-        return (*LINEAR_TARGETS[:4], "experts")
-    return LINEAR_TARGETS
+        return (*attention, "experts")
+    return (*attention, *MLP_TARGETS)
 
 
 def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> dict[str, nn.Module]:

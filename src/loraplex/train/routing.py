@@ -38,12 +38,24 @@ def _topk_then_softmax(router: nn.Module, logits: torch.Tensor, index: torch.Ten
     return torch.softmax(logits.gather(-1, index), dim=1), index
 
 
+def _deepseek_softmax_topk(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
+    # DeepSeek-V2: softmax over all experts in float32, greedy top-k, never renormalised,
+    # times routed_scaling_factor.
+    if router.topk_method != "greedy":
+        raise ValueError(f"DeepSeek routing topk_method {router.topk_method!r} is not trained (greedy is)")
+    probs = torch.softmax(logits.float(), dim=-1)
+    if index is None:
+        index = torch.topk(probs.detach(), router.top_k, dim=-1).indices
+    return probs.gather(-1, index) * router.routed_scaling_factor, index
+
+
 # Router class -> (logits, experts or None to choose them) -> (weights, experts), as the
 # class computes them in transformers (tests check every one against it).
 ROUTERS = {
     "Qwen3MoeTopKRouter": _softmax_then_topk,
     "MixtralTopKRouter": _softmax_then_topk,
     "GptOssTopKRouter": _topk_then_softmax,
+    "DeepseekV2TopkRouter": _deepseek_softmax_topk,
 }
 
 
@@ -68,7 +80,10 @@ class ReplayedRouter(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         h = hidden_states.reshape(-1, self.base.weight.shape[1])
-        logits = nn.functional.linear(h, self.base.weight, getattr(self.base, "bias", None))
+        weight = self.base.weight
+        if weight.dtype == torch.float32:  # DeepSeek keeps its router in float32 and routes there
+            h = h.float()
+        logits = nn.functional.linear(h, weight, getattr(self.base, "bias", None))
         replay = in_backward() and self.recorded is not None and self.recorded.shape[0] == h.shape[0]
         weights, index = self.route(self.base, logits, self.recorded if replay else None)
         if replay:
