@@ -112,3 +112,17 @@ def test_unsupported_variants_are_refused(tmp_path):
                                                                      n_group=2, topk_group=1), 0)
     with pytest.raises(UnsupportedModel, match="topk_method 'group_limited_greedy'"):
         make_llm(model_dir)
+
+
+def test_triton_backend_decodes_like_transformers(deepseek):
+    """The Triton ops (the interpreter on CPU): decode steps take the latent-attention
+    kernel, adapters on kv_b_proj gathered per token, beside base rows."""
+    model_dir, adapter = deepseek
+    llm = make_llm(model_dir, ops_backend="triton")
+    prompts = random_prompts(2, (5, 20), seed=5)
+    lora = LoRARequest("all", 1, str(adapter))
+    outs = llm.generate(prompts, SP, [lora, None])
+    for out, prompt, oracle in zip(outs, prompts, (HFOracle(model_dir, adapter), HFOracle(model_dir))):
+        _assert_close(_prompt_lps(out, prompt), oracle.prompt_logprobs(prompt))
+        if DTYPE == "float32":
+            assert out.outputs[0].token_ids == oracle.greedy(prompt, SP.max_tokens)

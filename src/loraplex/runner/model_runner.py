@@ -126,12 +126,11 @@ class ModelRunner:
         self.moe_stats = (torch.zeros(2, dtype=torch.float32, device=self.device)
                           if config.measure_moe_routing and config.model.moe_layers else None)
         self.num_blocks = self._allocate_kv_cache()
-        # Latent attention (DeepSeek) has no kernel yet: its reference op reads the batch
-        # from the host, which a graph would freeze.
-        if (self.device.type == "cuda" and config.ops_backend == "triton" and config.cudagraph_mode != "NONE"
-                and config.model.mla is None):
+        if self.device.type == "cuda" and config.ops_backend == "triton" and config.cudagraph_mode != "NONE":
             mixed = (min(sched.max_num_batched_tokens, config.max_cudagraph_capture_size)
                      if config.cudagraph_mode == "FULL" else None)
+            if config.model.mla is not None:  # latent attention has a kernel for decode steps only;
+                mixed = short_chunks = None  # its op for longer chunks reads the batch on the host
             self.graphs = StepGraphs(
                 self.model, self.inputs, graph_batch, mixed, self.lora_slots is not None,
                 self.aux_stream, self.moe_stats, short_chunks,

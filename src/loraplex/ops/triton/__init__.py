@@ -23,6 +23,7 @@ from loraplex.ops.triton.lora_expand_gemv import lora_expand_gemv
 from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
 from loraplex.ops.triton.lora_shrink_gemv import lora_shrink_gemv
 from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
+from loraplex.ops.triton.mla_decode import mla_decode_attention
 from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
@@ -31,10 +32,15 @@ from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
-# Latent attention has no kernel yet: the reference op, in eager steps (the runner
-# captures no CUDA graph of a model with latent attention).
-mla_attention = reference.mla_attention
 write_latent_cache = reference.write_latent_cache
+
+
+def mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora=None):
+    """Decode steps: the split kernel (graph safe); steps with longer chunks (prefill,
+    verification; always eager): the reference, sequence by sequence."""
+    if batch.max_query_len == 1:
+        return mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
+    return reference.mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
 
 
 def lora_shrink(x, lora_a, batch):
