@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
-#        tp (two GPUs or more)
+#        tp (two GPUs or more) | deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -101,6 +101,16 @@ for step in $STEPS; do
         --lora-targets q_proj k_proj v_proj o_proj experts --num-prompts ${PROMPTS:-32} \
         --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
         --result-json "$OUT/gpt-oss.json" 2>&1 | grep -v "it/s" > "$OUT/gpt-oss.txt"; tail -8 "$OUT/gpt-oss.txt" ;;
+    deepseek)  # RESULTS: "DeepSeek-V2-Lite, 16 adapters" (the latent-attention tests in bf16 first; the
+      # bench reports distinct experts per decode step; the cache holds 27 x 576 values a token)
+      LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_mla_ops.py tests/test_deepseek.py --tb=short > "$OUT/deepseek-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|E  )" "$OUT/deepseek-tests.log" | head -20; tail -1 "$OUT/deepseek-tests.log"
+      timeout 560 python3 -m loraplex.entrypoints.cli bench --model deepseek-v2-lite --num-adapters 0 16 \
+        --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj o_proj gate_proj up_proj down_proj experts \
+        --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 --output-len 600 \
+        --cache-dir "$CACHE" --result-json "$OUT/deepseek.json" 2>&1 | grep -v "it/s" > "$OUT/deepseek.txt"
+      tail -8 "$OUT/deepseek.txt" ;;
     cold)  # RESULTS: "1,000 cold adapters" (registry; the step profile says where time goes)
       # (COLD_ARGS=--sample-stacks adds where the engine thread is, at a cost: its sampler
       # thread takes the GIL, and the run slows by ~10%)

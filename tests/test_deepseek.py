@@ -1,7 +1,9 @@
-"""DeepSeek-V2 against transformers (+ PEFT): multi-head latent attention (q_proj, or
-q_a_proj -> norm -> q_b_proj; YaRN's softmax scale), a dense first layer, MoE layers with
-shared experts and scaled routed weights; adapters on every projection and every routed
-expert, mixed with base rows; the cache holds the latent, not keys and values."""
+"""DeepSeek-V2 and -V3 against transformers (+ PEFT): multi-head latent attention (q_proj,
+or q_a_proj -> norm -> q_b_proj; YaRN's softmax scale; interleaved rotary pairs or not),
+a dense first layer, MoE layers with shared experts and scaled routed weights (greedy,
+group-limited, and V3's sigmoid with a correction bias in groups); adapters on every
+projection and every routed expert, mixed with base rows; the cache holds the latent,
+not keys and values."""
 
 from __future__ import annotations
 
@@ -18,25 +20,30 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
             beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
 
 
-def tiny_config(**overrides):
+def tiny_config(v3: bool = False, **overrides):
     """3 layers (the first dense), 4 heads, latent 32, rotary 8, 8 routed experts (top-2)
     and 2 shared ones."""
     import transformers
 
-    return transformers.DeepseekV2Config(**{**dict(
+    config = transformers.DeepseekV3Config if v3 else transformers.DeepseekV2Config
+    arch = "DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"
+    return config(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
         n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="greedy",
         norm_topk_prob=False, routed_scaling_factor=1.5, max_position_embeddings=512,
-        bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.08,
-        architectures=["DeepseekV2ForCausalLM"],
+        bos_token_id=BOS, eos_token_id=EOS, initializer_range=0.08, architectures=[arch],
     ), **overrides})
 
 
 VARIANTS = {
     "q_proj": {},  # V2-Lite's form
-    "q_lora-yarn": dict(q_lora_rank=24, rope_parameters=YARN),  # V2's
+    "q_lora-yarn-groups": dict(q_lora_rank=24, rope_parameters=YARN, topk_method="group_limited_greedy",
+                               n_group=4, topk_group=2),  # V2's
+    "v3": dict(v3=True, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+               routed_scaling_factor=2.5),
+    "v3-halves": dict(v3=True, rope_interleave=False, n_group=2, topk_group=1, routed_scaling_factor=2.5),
 }
 
 
@@ -44,12 +51,27 @@ VARIANTS = {
 def deepseek(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"deepseek-{request.param}")
     model_dir = write_random_model(root / "model", tiny_config(**VARIANTS[request.param]), 0)
-    q = ["q_proj"] if request.param == "q_proj" else ["q_a_proj", "q_b_proj"]
+    if VARIANTS[request.param].get("v3"):
+        _randomise_correction_bias(model_dir)
+    q = ["q_a_proj", "q_b_proj"] if VARIANTS[request.param].get("q_lora_rank") else ["q_proj"]
     adapter = make_peft_adapter(
         model_dir, root / "adapter", seed=3, r=4, lora_alpha=8,
         target_modules=[*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     return model_dir, adapter
+
+
+def _randomise_correction_bias(model_dir):
+    """transformers starts V3's e_score_correction_bias at zero: make it choose."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            tensors[name] = 0.2 * torch.randn(t.shape, generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _prompt_lps(out, prompt) -> torch.Tensor:
@@ -108,10 +130,11 @@ def test_cache_holds_the_latent_and_prefixes_are_reused(deepseek):
 
 
 def test_unsupported_variants_are_refused(tmp_path):
-    model_dir = write_random_model(tmp_path / "grouped", tiny_config(topk_method="group_limited_greedy",
-                                                                     n_group=2, topk_group=1), 0)
-    with pytest.raises(UnsupportedModel, match="topk_method 'group_limited_greedy'"):
-        make_llm(model_dir)
+    grouped = tiny_config(topk_method="group_limited_greedy", n_group=3, topk_group=1)
+    for name, cfg, match in (("method", tiny_config(topk_method="random"), "topk_method 'random'"),
+                             ("groups", grouped, "do not group 8 experts")):
+        with pytest.raises(UnsupportedModel, match=match):
+            make_llm(write_random_model(tmp_path / name, cfg, 0))
 
 
 def test_triton_backend_decodes_like_transformers(deepseek):

@@ -31,6 +31,8 @@ class ArchitectureFacts:
     activation: str | None = None  # the experts' activation, whatever hidden_act says
     swiglu_limit: float | None = None  # for configs that do not say
     mla: bool = False  # DeepSeek's multi-head latent attention, shared experts
+    topk_method: str | None = None  # MoE routing when the config does not say (ROUTINGS)
+    renormalize: bool | None = None  # False: routed weights never renormalised, whatever it says
 
 
 # Stop strings loraplex reads from a model's generation_config.json beside transformers'
@@ -137,6 +139,10 @@ class QuantConfig:
         raise UnsupportedModel(f"{arch}: quantization {method!r} is not supported; "
                                f"supported: {', '.join(QUANTIZATION_METHODS)}")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# MoE routing (DeepSeek's names): softmax top-k; softmax, top-k within the topk_group groups
+# of the highest expert score; sigmoid scores plus a correction bias choose within the
+# groups of the highest top-2 sums, the scores without the bias weigh (DeepSeek-V3).
+ROUTINGS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,7 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     scale: float  # the softmax scale: (nope + rope)^-0.5, YaRN's mscale_all_dim squared
+    rope_interleave: bool = True  # the rotary dims rotate as (x0, x1), (x2, x3), ... pairs
 
     @property
     def cache_dim(self) -> int:
@@ -162,14 +169,30 @@ class MLAConfig:
     def from_hf(cls, arch: str, hf, rope: dict) -> MLAConfig:
         if getattr(hf, "attention_bias", False):
             raise UnsupportedModel(f"{arch}: attention_bias with latent attention is not supported")
-        method = getattr(hf, "topk_method", "greedy")
-        if method != "greedy":
-            raise UnsupportedModel(f"{arch}: topk_method {method!r} is not supported (greedy is)")
-        if getattr(hf, "scoring_func", "softmax") != "softmax":
-            raise UnsupportedModel(f"{arch}: scoring_func {hf.scoring_func!r} is not supported")
+        if getattr(hf, "quantization_config", None):
+            raise UnsupportedModel(f"{arch}: quantized checkpoints with latent attention are not "
+                                   "supported yet")
         qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
         return cls(hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim,
-                   hf.v_head_dim, qk**-0.5 * _softmax_mscale(rope) ** 2)
+                   hf.v_head_dim, qk**-0.5 * _softmax_mscale(rope) ** 2,
+                   bool(getattr(hf, "rope_interleave", True)))
+
+
+def _routing(arch: str, hf, facts: ArchitectureFacts, experts: int) -> dict:
+    method = facts.topk_method or getattr(hf, "topk_method", None) or "greedy"
+    if method not in ROUTINGS:
+        raise UnsupportedModel(f"{arch}: topk_method {method!r} is not supported; "
+                               f"supported: {', '.join(ROUTINGS)}")
+    scoring = "sigmoid" if method == "noaux_tc" else "softmax"
+    if (getattr(hf, "scoring_func", None) or scoring) != scoring:
+        raise UnsupportedModel(f"{arch}: scoring_func {hf.scoring_func!r} with topk_method {method!r}")
+    if method == "greedy":
+        return {}
+    groups, chosen = getattr(hf, "n_group", None) or 1, getattr(hf, "topk_group", None) or 1
+    if experts % groups or not 0 < chosen <= groups:
+        raise UnsupportedModel(f"{arch}: n_group {groups} and topk_group {chosen} do not group "
+                               f"{experts} experts")
+    return dict(topk_method=method, num_expert_groups=groups, topk_group=chosen)
 
 
 def _softmax_mscale(rope: dict) -> float:
@@ -231,6 +254,9 @@ class ModelConfig:
     # experts, whose weights are multiplied by routed_scaling_factor.
     num_shared_experts: int = 0
     routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # a ROUTINGS entry; the grouped ones choose among groups:
+    num_expert_groups: int = 1
+    topk_group: int = 1
 
     @property
     def q_size(self) -> int:
@@ -286,10 +312,12 @@ class ModelConfig:
                                  if experts > 0 and i not in dense and (i + 1) % step == 0),
                 num_experts=experts, num_experts_per_tok=hf.num_experts_per_tok,
                 moe_intermediate_size=getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size,
-                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.norm_topk_prob)),
+                norm_topk_prob=bool(getattr(hf, "norm_topk_prob", facts.norm_topk_prob))
+                if facts.renormalize is None else facts.renormalize,
                 swiglu_limit=getattr(hf, "swiglu_limit", facts.swiglu_limit),
                 num_shared_experts=getattr(hf, "n_shared_experts", None) or 0,
                 routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0)),
+                **_routing(arch, hf, facts, experts),
             )
         return cls(
             architecture=arch,

@@ -65,11 +65,21 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg, bias=bias)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.routed_scale = cfg.routed_scaling_factor  # DeepSeek: the routed weights times this
+        self.routing = (cfg.topk_method, cfg.num_expert_groups, cfg.topk_group)
+        if cfg.topk_method == "noaux_tc":  # DeepSeek-V3: the router's bias on the choice (float32)
+            router = getattr(self, router_name)
+            router.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
+                                                          False)
         self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)
-        weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        if self.routing[0] == "greedy":
+            weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        else:
+            bias = getattr(getattr(self, self.router_name), "e_score_correction_bias", None)
+            weights, ids = ops.route_experts_grouped(logits, self.top_k, *self.routing, self.renormalize,
+                                                     bias)
         if self.routed_scale != 1.0:
             weights = weights * self.routed_scale
         e, ctx = self.experts, get_forward_context()

@@ -1,5 +1,5 @@
-"""DeepSeek-V2 (V2-Lite's config and V2's): multi-head latent attention, dense first
-layers, MoE layers with shared experts beside the routed ones.
+"""DeepSeek-V2 (V2-Lite's config and V2's) and V3's layout: multi-head latent attention,
+dense first layers, MoE layers with shared experts beside the routed ones.
 
 Attention (MLA): q_proj (or q_a_proj -> norm -> q_b_proj) gives each head a query of
 qk_nope + qk_rope dims; kv_a_proj_with_mqa gives one latent (normed) and one rotary key
@@ -7,11 +7,12 @@ that every head shares; kv_b_proj would expand the latent into each head's key a
 but is absorbed into the query and output instead (layers/mla.py), so the cache holds
 kv_lora_rank + qk_rope_head_dim values per token per layer. q_proj (or q_a_proj) and
 kv_a_proj_with_mqa read the same input: one fused LoRALinear. Checkpoints rotate the
-rotary dims as interleaved pairs; loraplex's rotary op rotates halves, so both the query's
-and the key's rotary parts are de-interleaved first: the same permutation on both sides
-leaves every q . k as it was.
+rotary dims as interleaved pairs (V3: unless rope_interleave is false); loraplex's rotary
+op rotates halves, so both the query's and the key's rotary parts are de-interleaved
+first: the same permutation on both sides leaves every q . k as it was.
 
-MoE: the routed experts are SparseMoE's (softmax, greedy top-k, weights times
+MoE: the routed experts are SparseMoE's (V2: softmax, greedy or group-limited top-k; V3:
+sigmoid scores with a correction bias choosing within groups; weights times
 routed_scaling_factor); the shared experts are a gated MLP of n_shared_experts x
 moe_intermediate_size whose output joins the routed rows that the next norm sums.
 """
@@ -62,7 +63,10 @@ class LatentSelfAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_nope, q_pe = q.view(t, self.num_heads, -1).split((m.qk_nope_head_dim, m.qk_rope_head_dim), -1)
         latent, k_pe = kv_a.split((m.kv_lora_rank, m.qk_rope_head_dim), -1)
-        q_pe, k_pe = self.rotary(positions, _deinterleave(q_pe), _deinterleave(k_pe.view(t, 1, -1)))
+        k_pe = k_pe.view(t, 1, -1)
+        if m.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.contiguous())
         latent = self.kv_a_layernorm(latent.contiguous())
         o = self.attn(q_nope, q_pe, latent, k_pe.view(t, -1), self.kv_b_proj)
         return self.o_proj(o.reshape(t, -1))
@@ -96,3 +100,9 @@ class DeepseekV2DecoderLayer(DecoderLayer):
 
 class DeepseekV2CausalLM(DenseCausalLM):
     layer_cls = DeepseekV2DecoderLayer
+
+    def checkpoint_skips(self, name: str) -> bool:
+        """DeepSeek-V3's multi-token prediction layers (numbered past the model's own),
+        which serving does not run."""
+        parts = name.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= self.config.num_layers

@@ -51,7 +51,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     # DeepSeek-V2: multi-head latent attention; dense first layers, then sparse MLPs with
     # shared experts (softmax router, greedy top-k, not renormalised unless it says so).
     "DeepseekV2ForCausalLM": Architecture(DeepseekV2CausalLM, ArchitectureFacts(
-        qk_norm=False, qkv_bias=False, o_bias=False, moe=True, mla=True)),
+        qk_norm=False, qkv_bias=False, o_bias=False, moe=True, mla=True, renormalize=False)),
+    # DeepSeek-V3: V2's blocks; sigmoid routing with a correction bias within expert groups.
+    "DeepseekV3ForCausalLM": Architecture(DeepseekV2CausalLM, ArchitectureFacts(
+        qk_norm=False, qkv_bias=False, o_bias=False, moe=True, mla=True, topk_method="noaux_tc")),
 }
 
 

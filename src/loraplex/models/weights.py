@@ -102,9 +102,10 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
     shards: a tensor-parallel rank's part of each split parameter (models/tensor_parallel.py);
     projections and experts take theirs from their layers' `tp`.
 
-    A model class may declare `checkpoint_renames` (old -> new name substrings) and a
+    A model class may declare `checkpoint_renames` (old -> new name substrings), a
     `checkpoint_transform(name, tensor) -> tensor` (after renames) for tensors stored in
-    another layout than its own. Layers holding quantized weights (models/quant.py) take
+    another layout than its own, and `checkpoint_skips(name) -> bool` for tensors it
+    leaves out. Layers holding quantized weights (models/quant.py) take
     the checkpoint's quantized tensors through quant.ingest."""
     index = projection_index(model)
     params = dict(model.named_parameters())
@@ -128,12 +129,14 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
     names = [(h, n) for h in handles for n in h.keys()]
     renames = getattr(model, "checkpoint_renames", {})
     transform = getattr(model, "checkpoint_transform", None)
+    skips = getattr(model, "checkpoint_skips", None)  # name -> True for tensors serving leaves out
     for handle, ckpt_name in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
         name = ckpt_name
         for old, new in renames.items():
             name = name.replace(old, new)
         module_path, _, kind = name.rpartition(".")
-        if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied_embeddings and name == "lm_head.weight") or (
+                skips is not None and skips(name)):
             continue
         tensor = handle.get_tensor(ckpt_name)
         if transform is not None:

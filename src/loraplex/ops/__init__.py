@@ -272,6 +272,20 @@ def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return _impl.route_experts(logits, top_k, renormalize)
 
 
+def route_experts_grouped(
+    logits: torch.Tensor, top_k: int, method: str, num_groups: int, topk_group: int, renormalize: bool,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: DeepSeek's grouped routing (config.ROUTINGS), experts in num_groups
+    equal groups. group_limited_greedy: p = softmax(logits); keep the topk_group groups of
+    the highest max p, top_k of p among their experts, weights p. noaux_tc: p =
+    sigmoid(logits); choose with p + correction_bias: the groups of the highest sum of
+    their two best, top_k among those; weights p at the chosen. renormalize: weights / their
+    sum (+ 1e-20). logits [T, E] -> (weights [T, top_k] float32, ids [T, top_k] int64)."""
+    return _impl.route_experts_grouped(logits, top_k, method, num_groups, topk_group, renormalize,
+                                       correction_bias)
+
+
 def fused_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,

@@ -92,3 +92,25 @@ def _lora_delta(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.
         rows = slots == s
         delta[rows] = (x[rows].float() @ a[s].float().T) @ b[s].float().T
     return delta
+
+
+def route_experts_grouped(logits: torch.Tensor, top_k: int, method: str, num_groups: int, topk_group: int,
+                          renormalize: bool, correction_bias: torch.Tensor | None = None):
+    t, e = logits.shape
+    if method == "noaux_tc":
+        probs = logits.float().sigmoid()
+        choice = probs + correction_bias.float() if correction_bias is not None else probs
+        group_scores = choice.view(t, num_groups, -1).topk(2, dim=-1).values.sum(-1)
+    else:
+        probs = logits.float().softmax(-1)
+        choice = probs
+        group_scores = choice.view(t, num_groups, -1).amax(-1)
+    groups = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep[:, :, None].expand(t, num_groups, e // num_groups).reshape(t, e)
+    fill = float("-inf") if method == "noaux_tc" else 0.0
+    ids = choice.masked_fill(~keep, fill).topk(top_k, dim=-1).indices
+    weights = probs.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights, ids

@@ -33,6 +33,7 @@ from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_we
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
 write_latent_cache = reference.write_latent_cache
+route_experts_grouped = reference.route_experts_grouped  # a few torch ops, no host sync (graph safe)
 
 
 def mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora=None):
@@ -90,6 +91,7 @@ __all__ = [
     "fused_experts",
     "quant_linear",
     "route_experts",
+    "route_experts_grouped",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "grouped_lora_add",
