@@ -44,6 +44,12 @@ def _moe_config(arch: str):
             n_shared_experts=2,
             num_experts_per_tok=2, first_k_dense_replace=1, routed_scaling_factor=1.5,
             **{**MOE, "num_key_value_heads": 4})
+    if arch == "deepseek_v3":  # sigmoid routing with a correction bias, in groups; rotary halves
+        return transformers.DeepseekV3Config(
+            intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, kv_lora_rank=32,
+            q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+            rope_interleave=False, **{**MOE, "num_key_value_heads": 4})
     if arch == "mixtral":
         return transformers.MixtralConfig(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                                           num_experts_per_tok=2, **MOE)
@@ -57,7 +63,7 @@ def moe_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("train-moe")
     dirs = {a: write_random_model(root / a, _moe_config(a), 0)
-            for a in ("qwen3moe", "mixtral", "gpt_oss", "deepseek_v2")}
+            for a in ("qwen3moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3")}
     tok = AutoTokenizer.from_pretrained(dirs["qwen3moe"])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(dirs["qwen3moe"])
@@ -98,7 +104,7 @@ def _model_dir(arch, model_dirs, moe_dirs):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss",
-                                  "deepseek_v2"])
+                                  "deepseek_v2", "deepseek_v3"])
 def test_loss_and_grads_match_peft(arch, model_dirs, moe_dirs, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraplex import ops
+
 
 def _softmax_then_topk(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
     # Qwen3-MoE, Mixtral: softmax over all experts, keep the top-k, renormalise (Mixtral
@@ -38,15 +40,24 @@ def _topk_then_softmax(router: nn.Module, logits: torch.Tensor, index: torch.Ten
     return torch.softmax(logits.gather(-1, index), dim=1), index
 
 
-def _deepseek_softmax_topk(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
-    # DeepSeek-V2: softmax over all experts in float32, greedy top-k, never renormalised,
-    # times routed_scaling_factor.
-    if router.topk_method != "greedy":
-        raise ValueError(f"DeepSeek routing topk_method {router.topk_method!r} is not trained (greedy is)")
-    probs = torch.softmax(logits.float(), dim=-1)
+def _deepseek(router: nn.Module, logits: torch.Tensor, index: torch.Tensor | None):
+    # DeepSeek-V2: softmax in float32, greedy or group-limited top-k, never renormalised;
+    # V3: sigmoid scores, chosen with their correction bias within groups, renormalised
+    # when norm_topk_prob; both times routed_scaling_factor.
+    v3 = hasattr(router, "e_score_correction_bias")
+    probs = torch.sigmoid(logits.float()) if v3 else torch.softmax(logits.float(), dim=-1)
     if index is None:
-        index = torch.topk(probs.detach(), router.top_k, dim=-1).indices
-    return probs.gather(-1, index) * router.routed_scaling_factor, index
+        method = "noaux_tc" if v3 else router.topk_method
+        if method == "greedy":
+            index = torch.topk(probs.detach(), router.top_k, dim=-1).indices
+        else:
+            index = ops.route_experts_grouped(logits.detach(), router.top_k, method, router.num_group,
+                                              router.topk_group, False,
+                                              getattr(router, "e_score_correction_bias", None))[1]
+    w = probs.gather(-1, index)
+    if v3 and router.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * router.routed_scaling_factor, index
 
 
 # Router class -> (logits, experts or None to choose them) -> (weights, experts), as the
@@ -55,7 +66,8 @@ ROUTERS = {
     "Qwen3MoeTopKRouter": _softmax_then_topk,
     "MixtralTopKRouter": _softmax_then_topk,
     "GptOssTopKRouter": _topk_then_softmax,
-    "DeepseekV2TopkRouter": _deepseek_softmax_topk,
+    "DeepseekV2TopkRouter": _deepseek,
+    "DeepseekV3TopkRouter": _deepseek,
 }
 
 
