@@ -20,7 +20,15 @@ from loraplex.train import data, moe
 from loraplex.train.lora import LoRAExperts, lora_parameters
 from loraplex.train.routing import ReplayedRouter, in_backward
 from loraplex.train.save import peft_tensors, save_adapter
-from loraplex.train.trainer import TrainConfig, causal_lm_loss_sum, enable_checkpointing, prepare
+from loraplex.train.trainer import (
+    TrainConfig,
+    accumulate,
+    causal_lm_loss_sum,
+    enable_checkpointing,
+    packing_supported,
+    prepare,
+    train,
+)
 
 # Chat template of the word tokenizer: "t3" opens a user turn, "t4" an assistant turn,
 # "t2" (EOS) ends a turn.
@@ -299,6 +307,43 @@ def test_expert_functions_save_activations_where_checkpointing_sees_them(arch, m
         stack.extend(n for n, _ in node.next_functions)
     assert "ExpertProjectionBackward" in found
     assert ("GatedDownBackward" in found) == (arch == "qwen3moe")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe", "deepseek_v2"])
+def test_packed_batches_give_the_padded_loss_and_grads(arch, model_dirs, moe_dirs):
+    """Examples packed into one row (attention bounded by the restarting positions; sliding
+    windows, routing and latent attention included) train as the padded batch does."""
+    model, _, wrapped = _our_model(_model_dir(arch, model_dirs, moe_dirs), moe_backend="loop")
+    assert packing_supported(model)
+    ids = random_prompts(3, (9, 23), seed=4)
+    examples = [data.Example(x, [data.IGNORE] * 4 + x[4:]) for x in ids]
+    results = []
+    for batch in (data.collate(examples, pad_id=0), data.pack(examples)):
+        for p in lora_parameters(wrapped):
+            p.grad = None
+        results.append((accumulate(model, [batch]), peft_tensors(wrapped, grads=True)))
+        assert data.num_tokens(batch) == sum(map(len, ids))
+    (padded, grads), (packed, packed_grads) = results
+    assert abs(packed - padded) <= 1e-5
+    for key, g in grads.items():
+        torch.testing.assert_close(packed_grads[key], g, rtol=1e-4, atol=1e-4 * g.abs().max().item())
+
+
+def test_packing_is_off_where_attention_crosses_examples(moe_dirs, tmp_path):
+    """transformers' gpt-oss lets packed examples attend across their boundary: the
+    default leaves packing off there, and asking for it fails before any step."""
+    model, _, _ = _our_model(moe_dirs["gpt_oss"])
+    assert not packing_supported(model)
+    examples = tmp_path / "data.jsonl"
+    record = json.dumps({"prompt": "t5 t6", "completion": " t7 t8"})
+    examples.write_text("".join(record + "\n" for _ in range(4)))
+    cfg = dict(model=str(moe_dirs["gpt_oss"]), data=str(examples), rank=2, max_steps=1, progress=False,
+               moe_backend="loop")
+    train(TrainConfig(out=str(tmp_path / "auto"), **cfg))
+    assert (tmp_path / "auto" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "auto" / "loss.png").stat().st_size > 0  # the loss curve beside the adapter
+    with pytest.raises(ValueError, match="--no-packing"):
+        train(TrainConfig(out=str(tmp_path / "forced"), packing=True, **cfg))
 
 
 def test_labels_mask_everything_but_the_answer(moe_dirs):

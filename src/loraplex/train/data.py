@@ -114,6 +114,24 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def pack(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """The examples as one row [1, total]: position ids restart at each example, which
+    transformers reads as the examples' attention boundaries (no attention_mask given);
+    the label of each example's first token is IGNORE (the previous example's last token
+    would otherwise predict it). Same loss and gradients as collate(), no padding."""
+    ids = torch.tensor([t for e in examples for t in e.input_ids])
+    labels = torch.tensor([t for e in examples for t in e.labels])
+    positions = torch.cat([torch.arange(len(e.input_ids)) for e in examples])
+    labels[positions == 0] = IGNORE
+    return {"input_ids": ids[None], "position_ids": positions[None], "labels": labels[None]}
+
+
+def num_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of a collated or packed batch, padding left out."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 def epoch_batches(num_examples: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """The example indices of each batch of an epoch: a permutation seeded by (seed,
     epoch), so a resumed run sees the same batches without saving any data-loader state."""

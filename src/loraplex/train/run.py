@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                   help="a micro-batch's examples as one row with attention boundaries, no padding "
+                        "(default: where the model keeps packed examples apart)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-steps", type=int, default=200, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",

@@ -52,6 +52,9 @@ class TrainConfig:
     save_steps: int = 200
     resume: str | None = None  # a checkpoint dir, or "latest" (in `out`)
     moe_backend: str = "auto"
+    # A micro-batch's examples as one row (data.pack), no padding: None packs where the
+    # model bounds packed examples' attention (packing_supported), True insists.
+    packing: bool | None = None
     device: str = "auto"
     dtype: str = "auto"  # bf16 on CUDA, float32 on CPU
     progress: bool = True
@@ -59,7 +62,7 @@ class TrainConfig:
 
 # What a resumed run may change: where and how it runs, when it stops or checkpoints.
 _RESUMABLE_CHANGES = ("out", "resume", "progress", "max_steps", "save_steps", "device", "dtype",
-                      "moe_backend", "gradient_checkpointing")
+                      "moe_backend", "gradient_checkpointing", "packing")
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -119,8 +122,10 @@ def accumulate(model, batches: list[dict[str, torch.Tensor]]) -> float:
     total = 0.0
     for b in batches:
         b = {k: v.to(device) for k, v in b.items()}
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-        loss = causal_lm_loss_sum(logits, b["labels"]) / n_trained
+        labels = b.pop("labels")
+        # No KV cache: transformers bounds packed examples' attention only without one.
+        logits = model(**b, use_cache=False).logits
+        loss = causal_lm_loss_sum(logits, labels) / n_trained
         loss.backward()
         total += loss.item()
     return total
@@ -155,9 +160,15 @@ def train(cfg: TrainConfig) -> list[float]:
     def epoch(e: int) -> list[list[int]]:
         return data.epoch_batches(len(examples), cfg.batch_size, cfg.seed, e)
 
+    packing = cfg.packing is not False and packing_supported(model)
+    if cfg.packing and not packing:
+        raise ValueError(f"--packing: {type(model).__name__} in transformers lets packed examples attend "
+                         "across their boundaries; train with --no-packing")
+
     def micro_batch(m: int) -> dict[str, torch.Tensor]:
         e, pos = divmod(m, per_epoch)
-        return data.collate([examples[i] for i in epoch(e)[pos]], pad_id)
+        chosen = [examples[i] for i in epoch(e)[pos]]
+        return data.pack(chosen) if packing else data.collate(chosen, pad_id)
 
     from tqdm.auto import tqdm
 
@@ -177,9 +188,9 @@ def train(cfg: TrainConfig) -> list[float]:
         opt.zero_grad(set_to_none=True)
         step += 1
         losses.append(loss)
-        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        tokens = sum(data.num_tokens(b) for b in batches)
         tok_s = tokens / (time.perf_counter() - t0)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}", peak=_peak_memory())
         bar.update(1)
         with log.open("a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "lr": lr, "tokens": tokens}) + "\n")
@@ -190,4 +201,51 @@ def train(cfg: TrainConfig) -> list[float]:
                 shutil.rmtree(old)  # keep the two newest
     bar.close()
     save_adapter(out, wrapped, spec, cfg.model)
+    _plot_losses(log, out / "loss.png")
     return losses
+
+
+@torch.no_grad()
+def packing_supported(model) -> bool:
+    """Whether the model keeps packed examples apart: the second of two packed examples
+    gets the logits it gets alone (transformers reads restarting position ids as
+    boundaries for most architectures; gpt-oss's attention does not). A leak moves the
+    boundary's logits by far more than the rounding of another batch shape."""
+    device = next(model.parameters()).device
+    first, second = torch.arange(3, 10, device=device), torch.arange(11, 16, device=device)
+    packed = data.pack([data.Example(x.tolist(), x.tolist()) for x in (first, second)])
+    alone = model(input_ids=second[None], use_cache=False).logits[0].float()
+    inputs = {k: v.to(device) for k, v in packed.items() if k != "labels"}
+    together = model(**inputs, use_cache=False).logits[0, len(first):].float()
+    return bool((together - alone).abs().max() <= 0.05 * alone.abs().max())
+
+
+def _peak_memory() -> str:
+    """The device's peak allocated memory so far (GPU), or the process's peak RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"{torch.cuda.max_memory_allocated() / 2**30:.1f}GiB"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f}GiB"  # KiB on Linux
+
+
+def _plot_losses(log: Path, png: Path) -> None:
+    """The loss curve of train_log.jsonl (every step of the run, resumed ones too)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no loss curve: matplotlib is not installed (pip install 'loraplex[plot]'); "
+              f"the losses are in {log}")
+        return
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean per trained token)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
