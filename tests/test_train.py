@@ -329,6 +329,25 @@ def test_packed_batches_give_the_padded_loss_and_grads(arch, model_dirs, moe_dir
         torch.testing.assert_close(packed_grads[key], g, rtol=1e-4, atol=1e-4 * g.abs().max().item())
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "qwen3moe", "gpt_oss", "deepseek_v2"])
+def test_chunked_loss_is_the_full_logits_loss(arch, model_dirs, moe_dirs, monkeypatch):
+    """The loss from hidden states in chunks (no [tokens, vocab] logits; chunks of 7 rows
+    here, Gemma's logit soft-capping, tied embeddings) equals the loss of the model's own
+    logits, and so do the LoRA gradients."""
+    from loraplex.train import loss as chunked
+
+    monkeypatch.setattr(chunked, "CHUNK_TOKENS", 7)
+    model, _, wrapped = _our_model(_model_dir(arch, model_dirs, moe_dirs), moe_backend="loop")
+    batch = _batch()
+    want, want_grads = _loss_and_grads(model, wrapped, batch)  # the model's logits
+    for p in lora_parameters(wrapped):
+        p.grad = None
+    assert abs(accumulate(model, [batch]) - want) <= 1e-5
+    for key, g in peft_tensors(wrapped, grads=True).items():
+        scale = want_grads[key].abs().max().item()
+        torch.testing.assert_close(g, want_grads[key], rtol=1e-4, atol=1e-4 * scale)
+
+
 def test_packing_is_off_where_attention_crosses_examples(moe_dirs, tmp_path):
     """transformers' gpt-oss lets packed examples attend across their boundary: the
     default leaves packing off there, and asking for it fails before any step."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from loraplex.train import data
 from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
+from loraplex.train.loss import chunked_loss_sum
 from loraplex.train.moe import resolve_backend
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
@@ -66,9 +67,20 @@ _RESUMABLE_CHANGES = ("out", "resume", "progress", "max_steps", "save_steps", "d
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of each token predicting the next labelled one."""
+    """Summed cross entropy of each token predicting the next labelled one, from whole
+    logits: the definition lm_loss_sum computes in chunks (tests compare the two)."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=data.IGNORE, reduction="sum")
+
+
+def lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The batch's summed next-token loss from the decoder's hidden states, in chunks
+    (train/loss.py: no [tokens, vocab] logits)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    # No KV cache: transformers bounds packed examples' attention only without one.
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    return chunked_loss_sum(hidden, model.get_output_embeddings().weight, batch["labels"], softcap)
 
 
 def _schedule(cfg: TrainConfig, total: int):
@@ -122,10 +134,7 @@ def accumulate(model, batches: list[dict[str, torch.Tensor]]) -> float:
     total = 0.0
     for b in batches:
         b = {k: v.to(device) for k, v in b.items()}
-        labels = b.pop("labels")
-        # No KV cache: transformers bounds packed examples' attention only without one.
-        logits = model(**b, use_cache=False).logits
-        loss = causal_lm_loss_sum(logits, labels) / n_trained
+        loss = lm_loss_sum(model, b) / n_trained
         loss.backward()
         total += loss.item()
     return total

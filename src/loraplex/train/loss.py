@@ -1,0 +1,62 @@
+"""Causal-LM cross-entropy over hidden states, chunk by chunk: the [tokens, vocab] logits
+(201K columns for gpt-oss) never exist whole. Forward keeps each chunk's log-sum-exp and
+target logit only; backward recomputes the chunk's logits and turns them into the hidden
+states' gradient at once. The LM head is frozen in LoRA training: no gradient for it."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.train.data import IGNORE
+
+CHUNK_TOKENS = 4096  # rows of float32 logits at a time (4096 x 201K x 4 bytes = 3.3 GB at most)
+
+
+def chunked_loss_sum(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
+                     softcap: float | None = None, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """sum over t of -log softmax(logits[t])[labels[t + 1]] (labels IGNORE skipped), with
+    logits = hidden @ head^T in float32 (then softcap * tanh(. / softcap) if given).
+    hidden [B, T, H], head [V, H], labels [B, T]."""
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    return _ChunkedLoss.apply(h, head, targets, softcap, chunk)
+
+
+def _logits(h: torch.Tensor, head: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    z = (h @ head.T).float()
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, head, targets, softcap, chunk):
+        total = h.new_zeros((), dtype=torch.float32)
+        for a in range(0, h.shape[0], chunk):
+            t = targets[a:a + chunk]
+            keep = t != IGNORE
+            if not keep.any():
+                continue
+            z = _logits(h[a:a + chunk][keep], head, softcap)
+            total += (torch.logsumexp(z, -1) - z.gather(1, t[keep, None]).squeeze(1)).sum()
+        ctx.save_for_backward(h, head, targets)
+        ctx.softcap, ctx.chunk = softcap, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, head, targets = ctx.saved_tensors
+        softcap, chunk = ctx.softcap, ctx.chunk
+        grad_h = torch.zeros_like(h)
+        for a in range(0, h.shape[0], chunk):
+            t = targets[a:a + chunk]
+            keep = t != IGNORE
+            if not keep.any():
+                continue
+            rows = h[a:a + chunk][keep]
+            z = (rows @ head.T).float()
+            p = torch.softmax(z if softcap is None else softcap * torch.tanh(z / softcap), -1)
+            p[torch.arange(len(p), device=p.device), t[keep]] -= 1.0  # d loss / d logits
+            if softcap is not None:  # through softcap * tanh(z / softcap)
+                p *= 1 - torch.tanh(z / softcap) ** 2
+            grad_h[a:a + chunk][keep] = ((p * grad) @ head.float()).to(h.dtype)
+        return grad_h, None, None, None, None
