@@ -73,3 +73,49 @@ def test_decode_matches_the_expanded_attention(backend, max_splits, monkeypatch)
         torch.testing.assert_close(out[i], want, atol=2e-5, rtol=2e-5)
     splits = mla_decode.num_splits(batch, page, H)
     assert splits == min(max_splits, math.ceil(width * page / 32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunks_match_the_expanded_attention(backend):
+    """Steps of longer chunks (prefill after cached context, verification): each query
+    token sees its context up to itself; the Triton backend expands keys and values."""
+    gen = torch.Generator().manual_seed(1)
+    page = 4
+    seqs = [(3, 5), (0, 9), (12, 2), (0, 0)]  # (cached tokens, new tokens); an empty sequence
+    slots = [1, -1, 0, -1]
+    num_pages = sum(math.ceil((c + n) / page) for c, n in seqs) + 1
+    cache = torch.randn(num_pages, page, RANK + ROPE, generator=gen)
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(math.ceil((c + n) / page))] for c, n in seqs]
+    table = torch.tensor([t + [0] * (8 - len(t)) for t in tables], dtype=torch.int32)
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+    q_nope, q_pe = torch.randn(t, H, NOPE, generator=gen), torch.randn(t, H, ROPE, generator=gen)
+    w_kv_b = torch.randn(H * (NOPE + V), RANK, generator=gen) * 0.3
+    a = torch.randn(2, R, RANK, generator=gen) * 0.3
+    b = torch.randn(2, H * (NOPE + V), R, generator=gen) * 0.3
+    lens = [c + n for c, n in seqs]
+    dev = dict(device=DEVICE)
+    batch = AttentionBatch(
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, **dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, **dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, **dev), block_tables=table.to(**dev),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens, max_query_len=9, max_seq_len=max(lens))
+    token_slots = [s for s, (_, n) in zip(slots, seqs) for _ in range(n)]
+    bv = b.view(2, H, NOPE + V, R)
+    lora = MLALoRA(a.to(**dev), bv[:, :, :NOPE].to(**dev), bv[:, :, NOPE:].to(**dev),
+                   make_lora_batch(token_slots, [R, R], 2, DEVICE))
+    w = w_kv_b.view(H, NOPE + V, RANK)
+    with ops.using_backend(backend):
+        out = ops.mla_attention(q_nope.to(**dev), q_pe.to(**dev), cache.to(**dev), w[:, :NOPE].to(**dev),
+                                w[:, NOPE:].to(**dev), batch, 0.3, lora).cpu()
+    for i, ((cached, n), slot) in enumerate(zip(seqs, slots)):
+        rows = cache[torch.tensor(tables[i], dtype=torch.long)].reshape(-1, RANK + ROPE)
+        adapter = (a[slot], b[slot]) if slot >= 0 else ()
+        for j in range(n):  # token j of the chunk sees cached + j + 1 keys
+            ctx = rows[: cached + j + 1]
+            want = _naive(q_nope[qsl[i] + j], q_pe[qsl[i] + j], ctx[:, :RANK], ctx[:, RANK:], w_kv_b, 0.3,
+                          *adapter)
+            torch.testing.assert_close(out[qsl[i] + j], want, atol=2e-5, rtol=2e-5)

@@ -24,6 +24,7 @@ from loraplex.ops.triton.lora_expand_sgmv import lora_expand_sgmv
 from loraplex.ops.triton.lora_shrink_gemv import lora_shrink_gemv
 from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
 from loraplex.ops.triton.mla_decode import mla_decode_attention
+from loraplex.ops.triton.mla_prefill import mla_prefill_attention
 from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm
@@ -37,11 +38,12 @@ route_experts_grouped = reference.route_experts_grouped  # a few torch ops, no h
 
 
 def mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora=None):
-    """Decode steps: the split kernel (graph safe); steps with longer chunks (prefill,
-    verification; always eager): the reference, sequence by sequence."""
+    """Decode steps: the split kernel over the latents (graph safe); steps with longer
+    chunks (prefill, verification; always eager): keys and values expanded, sequence by
+    sequence."""
     if batch.max_query_len == 1:
         return mla_decode_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
-    return reference.mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
+    return mla_prefill_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
 
 
 def lora_shrink(x, lora_a, batch):
