@@ -239,3 +239,19 @@ def test_a_lost_worker_ends_the_process_not_hangs_it(dense, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == WORKER_LOST_STATUS, done.stderr[-2000:]
     assert "tensor-parallel rank 1 exited" in done.stderr
+
+
+def test_a_checkpoint_every_rank_fails_on_raises_the_leaders_error(dense, tmp_path):
+    """A model directory without weights: LLM() raises the loader's error (the workers
+    stop with it), and a tensor-parallel engine starts after it in the same process."""
+    import shutil
+
+    from loraplex.errors import ModelLoadError
+
+    empty = tmp_path / "no-weights"
+    shutil.copytree(dense["llama"][0], empty)
+    for f in empty.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        make_llm(empty, tensor_parallel_size=SIZES[0])
+    _run(dense["llama"][0], [[5, 6, 7]], None, SIZES[0])

@@ -69,9 +69,16 @@ class TensorParallelRunner:
         self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs, self._closing)
         threading.Thread(target=_watch, args=(self._procs, self._closing), name="loraplex-tp-watch",
                          daemon=True).start()
-        init_group(config, 0, size, init_method)
-        self.runner = ModelRunner(config, eos_token_ids, shared_page_bytes, reserved_bytes,
-                                  tp=TPGroup(0, size))
+        try:
+            init_group(config, 0, size, init_method)
+            self.runner = ModelRunner(config, eos_token_ids, shared_page_bytes, reserved_bytes,
+                                      tp=TPGroup(0, size))
+        except BaseException:  # a bad checkpoint fails every rank alike: raise the leader's error
+            self._closing.set()
+            self._finalizer()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
         self.config = config
         logger.info("tensor parallel: %d ranks", size)
 

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import pickle
 import sys
+import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
@@ -23,16 +24,24 @@ from loraplex.runner.model_runner import ModelRunner
 from loraplex.runner.tensor_parallel import init_group
 
 logger = logging.getLogger("loraplex")
+STARTUP_FAILURE_GRACE_S = 5.0
 
 
 def main() -> None:
     """A worker rank: its shard's runner, fed the leader's plans until told to stop."""
     conn = Connection(sys.stdin.fileno(), writable=False)
     config, eos_token_ids, rank, init_method = pickle.loads(conn.recv_bytes())
-    device = init_group(config, rank, config.tensor_parallel_size, init_method)
-    if device.type == "cuda":
-        config = dataclasses.replace(config, device=str(device))
-    runner = ModelRunner(config, eos_token_ids, tp=TPGroup(rank, config.tensor_parallel_size))
+    try:
+        device = init_group(config, rank, config.tensor_parallel_size, init_method)
+        if device.type == "cuda":
+            config = dataclasses.replace(config, device=str(device))
+        runner = ModelRunner(config, eos_token_ids, tp=TPGroup(rank, config.tensor_parallel_size))
+    except Exception:
+        # The leader most likely failed the same way (same checkpoint, same code): give it
+        # the time to raise its own error before the exit of this rank ends its process.
+        logger.error("tensor-parallel rank %d failed to start\n%s", rank, traceback.format_exc())
+        time.sleep(STARTUP_FAILURE_GRACE_S)
+        sys.exit(1)
     # Host input buffers are reused every other step (runner/batch_meta.py): like the
     # leader, which collects a step before preparing the one after next, a worker waits
     # for the step before the previous one before it prepares the next.
