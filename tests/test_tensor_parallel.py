@@ -110,6 +110,26 @@ def test_moe_with_expert_adapters_matches_one_process(moe, size):
     _assert_same(_run(model_dir, prompts, loras, size), want, prompts)
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("variant", ["q_proj", "v3"])
+def test_latent_attention_split_by_heads(variant, size, tmp_path):
+    """DeepSeek: query heads, their kv_b_proj rows and o_proj columns split, the latent
+    projections and cache whole on every rank; shared experts split like a dense MLP; an
+    adapter on every projection and every routed expert, mixed with base rows."""
+    from test_deepseek import VARIANTS, tiny_config
+
+    model_dir = write_random_model(tmp_path / "model", tiny_config(**VARIANTS[variant]), 0)
+    q = ["q_a_proj", "q_b_proj"] if VARIANTS[variant].get("q_lora_rank") else ["q_proj"]
+    adapter = make_peft_adapter(
+        model_dir, tmp_path / "adapter", seed=3, r=4, lora_alpha=8,
+        target_modules=[*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    prompts = random_prompts(4, (5, 30), seed=6)
+    loras = [LoRARequest("all", 1, str(adapter)), None] * 2
+    want = _run(model_dir, prompts, loras, 1)
+    _assert_same(_run(model_dir, prompts, loras, size), want, prompts)
+
+
 def test_gpt_oss_sinks_and_biases_split(tmp_path):
     """gpt-oss: attention sinks split with their heads, q/k/v/o and expert biases (o's and
     down's added once, by rank 0), the sliding-window layers."""

@@ -84,8 +84,10 @@ class SharedExpertsMoE(SparseMoE):
         self.shared_experts = GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(x)  # [T, top_k, H], unsummed
-        return torch.cat((routed, self.shared_experts(x).unsqueeze(1)), 1)
+        routed, shared = super().forward(x), self.shared_experts(x)
+        if routed.dim() == 2:  # tensor parallel: both already summed over the ranks
+            return routed + shared
+        return torch.cat((routed, shared.unsqueeze(1)), 1)  # [T, top_k + 1, H], unsummed
 
 
 class DeepseekV2DecoderLayer(DecoderLayer):

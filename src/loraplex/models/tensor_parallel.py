@@ -9,6 +9,8 @@
   even whatever the routing's skew, and expert adapters split like a dense MLP's. The
   router is replicated.
 - Embedding and LM head: vocabulary-parallel.
+- Latent attention (DeepSeek): by heads; the latent projections and the latent cache are
+  whole on every rank (every head reads every latent).
 
 The model is built from `shard_config`'s ModelConfig (every size the rank's own), then
 `shard_model` attaches the shards; `param_shards` gives each parameter's part of its
@@ -28,6 +30,7 @@ from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts, SparseMoE
 from loraplex.layers.parallel import ExpertShard, LinearShard, Shard, TPGroup, VocabShard, split
 from loraplex.models.blocks import GatedMLP, SelfAttention
+from loraplex.models.deepseek_v2 import LatentSelfAttention
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -35,8 +38,6 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     if cfg.quant is not None:
         raise UnsupportedModel(f"{cfg.architecture}: tensor parallelism serves bf16/float checkpoints; "
                                f"this one is {cfg.quant.method}")
-    if cfg.mla is not None:
-        raise UnsupportedModel(f"{cfg.architecture}: latent attention is not split across ranks yet")
     checks = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe_layers:
         checks["moe_intermediate_size"] = cfg.moe_intermediate_size
@@ -45,7 +46,7 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
             raise UnsupportedModel(f"{cfg.architecture}: {name}={n} does not split across "
                                    f"tensor_parallel_size={size}")
     kv = cfg.num_kv_heads
-    if kv % size and size % kv:
+    if cfg.mla is None and kv % size and size % kv:
         raise UnsupportedModel(f"{cfg.architecture}: num_key_value_heads={kv} neither splits across nor "
                                f"replicates evenly over tensor_parallel_size={size}")
     return dataclasses.replace(
@@ -66,9 +67,11 @@ def shard_model(model: nn.Module, full: ModelConfig, group: TPGroup) -> None:
             m.qkv_proj.tp = LinearShard(group, "column", full.hidden_size,
                                         (full.q_size, full.kv_size, full.kv_size), (q_rows, kv_rows, kv_rows))
             m.o_proj.tp = LinearShard(group, "row", full.q_size, (full.hidden_size,), cols=q_rows)
-        elif isinstance(m, GatedMLP):
-            rows = split(full.intermediate_size, n, r)
-            i = full.intermediate_size
+        elif isinstance(m, LatentSelfAttention):
+            _shard_latent_attention(m, full, group)
+        elif isinstance(m, GatedMLP):  # dense, or DeepSeek's shared experts (their own size)
+            i = m.gate_up_proj.output_sizes[0] * n
+            rows = split(i, n, r)
             m.gate_up_proj.tp = LinearShard(group, "column", full.hidden_size, (i, i), (rows, rows))
             m.down_proj.tp = LinearShard(group, "row", i, (full.hidden_size,), cols=rows)
         elif isinstance(m, Experts):
@@ -84,6 +87,29 @@ def shard_model(model: nn.Module, full: ModelConfig, group: TPGroup) -> None:
     for path, m in model.named_modules():
         if isinstance(m, LoRALinear) and m.tp is None and id(m) not in routers:
             raise UnsupportedModel(f"{full.architecture}: {path} has no tensor-parallel split")
+
+
+def _shard_latent_attention(m: nn.Module, full: ModelConfig, group: TPGroup) -> None:
+    """MLA by heads: each rank's query heads (q_proj or q_b_proj), their kv_b_proj rows
+    (keys and values per head) and o_proj columns; the latent projections (q_a_proj,
+    kv_a_proj_with_mqa) and so the latent cache are whole on every rank."""
+    mla, n, r = full.mla, group.size, group.rank
+    heads = split(full.num_heads, n, r)
+    q_dims, kv_dims = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
+    q_out = full.num_heads * q_dims
+    q_rows = (heads[0] * q_dims, heads[1] * q_dims)
+    whole = (0, mla.cache_dim)
+    if mla.q_lora_rank is None:
+        m.qkv_a_proj.tp = LinearShard(group, "column", full.hidden_size, (q_out, mla.cache_dim),
+                                      (q_rows, whole))
+    else:
+        m.qkv_a_proj.tp = LinearShard(group, "column", full.hidden_size, (mla.q_lora_rank, mla.cache_dim),
+                                      ((0, mla.q_lora_rank), whole))
+        m.q_b_proj.tp = LinearShard(group, "column", mla.q_lora_rank, (q_out,), (q_rows,))
+    m.kv_b_proj.tp = LinearShard(group, "column", mla.kv_lora_rank, (full.num_heads * kv_dims,),
+                                 ((heads[0] * kv_dims, heads[1] * kv_dims),))
+    m.o_proj.tp = LinearShard(group, "row", full.num_heads * mla.v_head_dim, (full.hidden_size,),
+                              cols=(heads[0] * mla.v_head_dim, heads[1] * mla.v_head_dim))
 
 
 def param_shards(model: nn.Module) -> dict[str, Shard]:
