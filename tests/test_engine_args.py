@@ -76,7 +76,8 @@ def test_serve_takes_gpu_memory_utilization_and_enable_lora(model_dirs):
 
 
 @pytest.mark.parametrize("flag", [["--gpu-memory-utilization", "1.5"], ["--max-cpu-lora-memory", "0"],
-                                  ["--max-num-seqs", "0"], ["--cudagraph-mode", "PIECEWISE"]])
+                                  ["--max-num-seqs", "0"], ["--cudagraph-mode", "PIECEWISE"],
+                                  ["--tensor-parallel-size", "0"]])
 def test_bad_engine_flag_values_are_argparse_errors(flag, capsys):
     with pytest.raises(SystemExit) as e:
         cli(["serve", "m", *flag])

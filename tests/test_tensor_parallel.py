@@ -191,6 +191,9 @@ def test_what_cannot_split_is_refused(dense, tmp_path):
     model_dir = write_random_model(tmp_path / "three-heads", cfg, 0, None)
     with pytest.raises(UnsupportedModel, match="num_attention_heads=3"):
         make_llm(model_dir, tensor_parallel_size=2)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            make_llm(dense["llama"][0], tensor_parallel_size=bad)
     with pytest.raises(ValueError, match="draft model"):
         make_llm(dense["llama"][0], tensor_parallel_size=2,
                  speculative_config={"model": str(dense["llama"][0]), "num_speculative_tokens": 2})

@@ -236,6 +236,8 @@ class EngineArgs:
 
     def _check_tensor_parallel(self, model_cfg, device: str, speculative: SpeculativeConfig | None) -> None:
         size = self.tensor_parallel_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if size == 1:
             return
         shard_config(model_cfg, size)  # names what does not split
