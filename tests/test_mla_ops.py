@@ -119,3 +119,21 @@ def test_chunks_match_the_expanded_attention(backend):
             want = _naive(q_nope[qsl[i] + j], q_pe[qsl[i] + j], ctx[:, :RANK], ctx[:, RANK:], w_kv_b, 0.3,
                           *adapter)
             torch.testing.assert_close(out[qsl[i] + j], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_latent_rows_land_in_their_slots(backend):
+    """ops.write_latent_cache: each token's row at its slot (page * PAGE + offset, the cache
+    in its own dtype); padding tokens (slot -1) write nothing."""
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(5, 4, RANK + ROPE, generator=gen).to(DEVICE)
+    before = cache.clone()
+    latent = torch.randn(6, RANK + ROPE, generator=gen).to(DEVICE)
+    slots = torch.tensor([7, -1, 0, 19, -1, 12], device=DEVICE)
+    with ops.using_backend(backend):
+        ops.write_latent_cache(latent, cache, slots)
+    want = before.view(-1, RANK + ROPE).clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[s] = latent[t]
+    assert torch.equal(cache.view(-1, RANK + ROPE), want)

@@ -15,7 +15,7 @@ from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.int4_gemm import int4_linear
-from loraplex.ops.triton.kv_cache import write_kv_cache
+from loraplex.ops.triton.kv_cache import write_kv_cache, write_latent_cache
 from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
 from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
@@ -33,7 +33,6 @@ from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
-write_latent_cache = reference.write_latent_cache
 route_experts_grouped = reference.route_experts_grouped  # a few torch ops, no host sync (graph safe)
 
 

@@ -1,8 +1,9 @@
-"""Store a step's keys and values into their KV cache slots.
+"""Store a step's keys and values (or latent-attention rows) into their KV cache slots.
 
-One program per token copies its [Hkv, D] key and value rows to slot
-slot_mapping[t] = page * PAGE + offset. A negative slot marks padding (tokens a CUDA
-graph runs for a batch smaller than it was captured for) and is skipped.
+One program per token copies its [Hkv, D] key and value rows (or its one latent row) to
+slot slot_mapping[t] = page * PAGE + offset. A negative slot marks padding (tokens a CUDA
+graph runs for a batch smaller than it was captured for) and is skipped on the device,
+so the write replays from a graph.
 """
 
 from __future__ import annotations
@@ -49,5 +50,27 @@ def write_kv_cache(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV=num_kv, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, stride_t, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    d = tl.arange(0, BLOCK)
+    mask = d < WIDTH
+    row = tl.load(src_ptr + t * stride_t + d, mask=mask)
+    tl.store(cache_ptr + slot * WIDTH + d, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """ops.write_latent_cache: latent [T, D] rows into cache [pages, PAGE, D] (contiguous)."""
+    assert cache.is_contiguous() and latent.stride(-1) == 1
+    width = cache.shape[-1]
+    _write_rows_kernel[(latent.shape[0],)](
+        latent, cache, slot_mapping, latent.stride(0), WIDTH=width, BLOCK=triton.next_power_of_2(width),
         num_warps=4,
     )

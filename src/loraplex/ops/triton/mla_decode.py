@@ -2,8 +2,8 @@
 absorbed (ops.mla_attention's semantics).
 
 Around the kernel, batched GEMMs absorb kv_b_proj: q_lat = W_uk^T q_nope per head before,
-o = W_uv o_lat after; an adapter on kv_b_proj adds its two rank-R terms per token, its
-slot's A and B gathered on the device (no host sync, so decode steps replay from CUDA
+o = W_uv o_lat after; an adapter on kv_b_proj adds its two rank-R terms per token
+(mla_lora.py: each token's slot read on the device, so decode steps replay from CUDA
 graphs). The kernel reads the paged latent cache: program (split, sequence, head block)
 scores a span of the sequence's context against all the block's heads at once (row =
 head: every head reads the same latent rows, which is what makes MLA's cache small) with
@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch, MLALoRA
+from loraplex.ops.triton.mla_lora import add_key_delta, add_value_delta
+from loraplex.ops.triton.precision import dot_settings
 
 PARTITION_SIZE = 256  # keys per split at least (a multiple of BLOCK_N)
 TARGET_PROGRAMS = 528  # split until about this many programs (4 per SM on an H200)
@@ -33,18 +35,12 @@ def mla_decode_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.
                          lora: MLALoRA | None = None) -> torch.Tensor:
     """ops.mla_attention for a step of one query token per sequence."""
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
-    slot = use = None
     if lora is not None:
-        slot = lora.batch.token_slot[: q_nope.shape[0]].long()
-        use = (slot >= 0).to(q_lat.dtype)[:, None, None]
-        slot = slot.clamp(min=0)
-        u = torch.einsum("thn,thnk->thk", q_nope, lora.b_k[slot])
-        q_lat = q_lat + torch.einsum("thk,tkr->thr", u, lora.a[slot]) * use
+        add_key_delta(q_lat, q_nope, lora)
     o_lat = latent_attention(q_lat.to(cache.dtype), q_pe.to(cache.dtype), cache, batch, scale)
     out = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
     if lora is not None:
-        u = torch.einsum("thr,tkr->thk", o_lat, lora.a[slot])
-        out = out + torch.einsum("thk,thvk->thv", u, lora.b_v[slot]) * use
+        add_value_delta(out, o_lat, lora)
     return out.to(q_nope.dtype)
 
 
@@ -72,7 +68,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         batch.block_tables.stride(0), heads, splits, rank, rope,
         R_PAD=max(16, triton.next_power_of_2(rank)), D_PAD=max(16, triton.next_power_of_2(rope)),
-        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=4,
+        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **dot_settings(cache.dtype), num_warps=4,
     )
     # Merge: each split's sum of exp(s - m_split); empty splits have m = -inf and sum 0.
     m, total = stats[..., 0], stats[..., 1]
@@ -87,7 +83,8 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
 def _mla_split(q_lat, q_pe, cache, block_tables, seq_lens, acc_out, stats_out, scale,
                stride_qt, stride_qh, stride_pt, stride_ph, stride_cp, stride_cs, stride_bt,
                H, NUM_SPLITS, R, D, R_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
     split, seq, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -102,6 +99,8 @@ def _mla_split(q_lat, q_pe, cache, block_tables, seq_lens, acc_out, stats_out, s
                 mask=hmask[:, None] & rmask[None, :], other=0.0)
     qp = tl.load(q_pe + seq * stride_pt + heads[:, None] * stride_ph + d[None, :],
                  mask=hmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q, qp = q.to(tl.float32), qp.to(tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], tl.float32)
@@ -112,13 +111,16 @@ def _mla_split(q_lat, q_pe, cache, block_tables, seq_lens, acc_out, stats_out, s
         rows = cache + pages.to(tl.int64) * stride_cp + (pos % PAGE) * stride_cs
         c = tl.load(rows[:, None] + r[None, :], mask=valid[:, None] & rmask[None, :], other=0.0)
         k = tl.load(rows[:, None] + R + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        s = (tl.dot(q, tl.trans(c)) + tl.dot(qp, tl.trans(k))) * scale
+        if UPCAST:
+            c, k = c.to(tl.float32), k.to(tl.float32)
+        s = (tl.dot(q, tl.trans(c), input_precision=DOT_PRECISION)
+             + tl.dot(qp, tl.trans(k), input_precision=DOT_PRECISION)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
         m = m_new
     out = ((seq * NUM_SPLITS + split) * H + heads).to(tl.int64)
     tl.store(acc_out + out[:, None] * R + r[None, :], acc, mask=hmask[:, None] & rmask[None, :])

@@ -1,0 +1,131 @@
+"""kv_b_proj's adapter delta under absorption, for decode steps (mla_decode.py): two
+kernels, one per side of the latent attention, each a program per (token, head block)
+that reads its token's slot on the device (graph safe) and returns at once for base
+tokens.
+
+    key side:   q_lat[t, h] += A_s^T (B_k[s, h]^T q_nope[t, h])      (before attention)
+    value side: out[t, h]   += B_v[s, h] (A_s o_lat[t, h])            (after attention)
+
+B differs per head, so the rank-R middle u[h] is a broadcast product summed over the
+head's rows; A is shared by the heads, so the other product is one tl.dot over the block.
+Both update their bf16 (or float32) target in place, the delta summed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.metadata import MLALoRA
+from loraplex.ops.triton.precision import dot_settings
+
+BLOCK_H = 16  # heads per program (tl.dot's least M)
+BLOCK_IN = 32  # rows of B (a head's nope or v dims) per tile
+BLOCK_LAT = 128  # latent dims per tile
+
+
+def add_key_delta(q_lat: torch.Tensor, q_nope: torch.Tensor, lora: MLALoRA) -> None:
+    """q_lat [T, H, r] += the key rows' adapter delta, per token's slot."""
+    t, heads, nope = q_nope.shape
+    a, b = lora.a, lora.b_k
+    _key_delta[(t, triton.cdiv(heads, BLOCK_H))](
+        q_lat, q_nope, a, b, lora.batch.token_slot,
+        q_lat.stride(0), q_lat.stride(1), q_nope.stride(0), q_nope.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        heads, nope, a.shape[1], a.shape[2],
+        R_PAD=max(16, triton.next_power_of_2(a.shape[1])), BLOCK_H=BLOCK_H, BLOCK_IN=BLOCK_IN,
+        BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4,
+    )
+
+
+def add_value_delta(out: torch.Tensor, o_lat: torch.Tensor, lora: MLALoRA) -> None:
+    """out [T, H, v] += the value rows' adapter delta B_v (A o_lat), per token's slot."""
+    t, heads, v = out.shape
+    a, b = lora.a, lora.b_v
+    _value_delta[(t, triton.cdiv(heads, BLOCK_H))](
+        out, o_lat, a, b, lora.batch.token_slot,
+        out.stride(0), out.stride(1), o_lat.stride(0), o_lat.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        heads, v, a.shape[1], a.shape[2],
+        R_PAD=max(16, triton.next_power_of_2(a.shape[1])), BLOCK_H=BLOCK_H, BLOCK_IN=BLOCK_IN,
+        BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4,
+    )
+
+
+@triton.jit
+def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_ar, s_bs, s_bh, s_bn,
+               H, NOPE, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
+               BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    t, hb = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(token_slot + t).to(tl.int64)
+    if slot < 0:
+        return
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    k = tl.arange(0, R_PAD)
+    kmask = k < R
+    # u[h, k] = sum_n q_nope[t, h, n] B_k[s, h, n, k]
+    u = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    for n0 in range(0, NOPE, BLOCK_IN):
+        n = n0 + tl.arange(0, BLOCK_IN)
+        nmask = n < NOPE
+        q = tl.load(q_nope + t * s_nt + heads[:, None] * s_nh + n[None, :],
+                    mask=hmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
+        rows = b + slot * s_bs + heads[:, None, None] * s_bh + n[None, :, None] * s_bn
+        w = tl.load(rows + k[None, None, :],
+                    mask=hmask[:, None, None] & nmask[None, :, None] & kmask[None, None, :],
+                    other=0.0).to(tl.float32)
+        u += tl.sum(q[:, :, None] * w, 1)
+    # q_lat[t, h, r] += sum_k u[h, k] A[s, k, r]
+    for r0 in range(0, LAT, BLOCK_LAT):
+        r = r0 + tl.arange(0, BLOCK_LAT)
+        rmask = r < LAT
+        w = tl.load(a + slot * s_as + k[:, None] * s_ar + r[None, :], mask=kmask[:, None] & rmask[None, :],
+                    other=0.0)
+        if UPCAST:
+            w = w.to(tl.float32)
+        delta = tl.dot(u.to(w.dtype), w, input_precision=DOT_PRECISION)
+        ptrs = q_lat + t * s_qt + heads[:, None] * s_qh + r[None, :]
+        mask = hmask[:, None] & rmask[None, :]
+        new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(ptrs, new.to(q_lat.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _value_delta(out, o_lat, a, b, token_slot, s_ot, s_oh, s_lt, s_lh, s_as, s_ar, s_bs, s_bh, s_bv,
+                 H, V, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
+                 BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    t, hb = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(token_slot + t).to(tl.int64)
+    if slot < 0:
+        return
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    k = tl.arange(0, R_PAD)
+    kmask = k < R
+    # u[h, k] = sum_r o_lat[t, h, r] A[s, k, r]
+    u = tl.zeros([BLOCK_H, R_PAD], tl.float32)
+    for r0 in range(0, LAT, BLOCK_LAT):
+        r = r0 + tl.arange(0, BLOCK_LAT)
+        rmask = r < LAT
+        o = tl.load(o_lat + t * s_lt + heads[:, None] * s_lh + r[None, :],
+                    mask=hmask[:, None] & rmask[None, :], other=0.0)
+        w = tl.load(a + slot * s_as + k[:, None] * s_ar + r[None, :], mask=kmask[:, None] & rmask[None, :],
+                    other=0.0)
+        if UPCAST:
+            o, w = o.to(tl.float32), w.to(tl.float32)
+        u += tl.dot(o.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
+    # out[t, h, v] += sum_k u[h, k] B_v[s, h, v, k]
+    for v0 in range(0, V, BLOCK_IN):
+        v = v0 + tl.arange(0, BLOCK_IN)
+        vmask = v < V
+        rows = b + slot * s_bs + heads[:, None, None] * s_bh + v[None, :, None] * s_bv
+        w = tl.load(rows + k[None, None, :],
+                    mask=hmask[:, None, None] & vmask[None, :, None] & kmask[None, None, :],
+                    other=0.0).to(tl.float32)
+        delta = tl.sum(u[:, None, :] * w, 2)
+        ptrs = out + t * s_ot + heads[:, None] * s_oh + v[None, :]
+        mask = hmask[:, None] & vmask[None, :]
+        new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(ptrs, new.to(out.dtype.element_ty), mask=mask)
