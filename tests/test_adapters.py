@@ -159,3 +159,25 @@ def test_lora_request_without_slots(model_dirs, adapter_dirs):
     with pytest.raises(LoRADisabled):
         llm.generate([[5, 6, 7]], SP, lora)
     assert llm.generate([[5, 6, 7]], SP)[0].outputs[0].finish_reason == "length"
+
+
+def test_target_modules_restrict_the_slots(model_dirs, adapter_dirs, llm):
+    """lora_target_modules: only the named projections get slots (the rest run no adapter
+    kernels), an adapter on them serves as on an unrestricted engine, one that targets
+    another module is refused by name, and a name the model lacks fails at startup."""
+    narrow = make_llm(model_dirs["qwen3"], max_loras=2, max_lora_rank=8,
+                      lora_target_modules=["q_proj", "v_proj", "o_proj"])
+    layers = {p.layer_path.rpartition(".")[2]: p.layer for p in narrow.engine.runner.projections.values()}
+    assert set(layers) == {"qkv_proj", "o_proj"}
+    model = narrow.engine.runner.model
+    assert all(m.lora is None for n, m in model.named_modules() if n.endswith(("gate_up_proj", "down_proj")))
+    qv = LoRARequest("qv", 1, str(adapter_dirs["qwen3"]["qv-r4-rslora"]))
+    prompts = random_prompts(3, (5, 15), seed=12)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    for got, want in zip(narrow.generate(prompts, sp, qv), llm.generate(prompts, sp, qv)):
+        assert_same_greedy_tokens(got.outputs[0], want.outputs[0])
+    with pytest.raises(AdapterInvalid, match=r"adapts only q_proj, v_proj, o_proj \(--lora-target-modules\)"):
+        narrow.generate(prompts, SP, LoRARequest("all7", 2, str(adapter_dirs["qwen3"]["all7-r8"])))
+    assert len(narrow.generate(prompts, SP, qv)) == 3
+    with pytest.raises(ValueError, match="q_prj: this model has no such module"):
+        make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules=["q_prj"])

@@ -410,10 +410,18 @@ class LoRAConfig:
     disk_cache_bytes: int = 32 << 30
     load_workers: int = 4  # threads reading adapters
     load_timeout: float = 120.0  # seconds before a load counts as failed (hung source)
+    # Module names (q_proj, gate, kv_b_proj, ...; `experts` for routed experts) that get
+    # adapter slots; None: every one the model has. A projection left out costs nothing
+    # in a step, and adapters that target it are refused.
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.max_loras < 0 or self.max_lora_rank <= 0:
             raise ValueError("max_loras must be >= 0 and max_lora_rank > 0")
+        if self.target_modules is not None:
+            object.__setattr__(self, "target_modules", tuple(self.target_modules))  # (frozen)
+            if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+                raise ValueError("lora_target_modules must be a non-empty list of module names")
 
     @property
     def enabled(self) -> bool:

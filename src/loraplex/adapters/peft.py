@@ -101,6 +101,14 @@ class AdapterTargets:
     experts: Mapping[str, ExpertShape] = field(default_factory=dict)  # experts module path
     renames: Mapping[str, str] = field(default_factory=dict)  # checkpoint path part -> model's
     dora: bool = True  # False: the model is split across ranks, where DoRA's row norms are not
+    # The engine's lora_target_modules: names (a path's last part) of the projections and
+    # experts it adapts; None: all of them.
+    only: tuple[str, ...] | None = None
+
+    def check_adapted(self, adapter: str, module: str) -> None:
+        if self.only is not None and module.rpartition(".")[2] not in self.only:
+            raise AdapterInvalid(adapter, f"targets {module!r}; this engine adapts only "
+                                          f"{', '.join(self.only)} (--lora-target-modules)")
 
     def max_bytes(self, max_rank: int, itemsize: int) -> int:
         """The most an adapter of rank <= max_rank can hold in this model's dtype."""
@@ -242,10 +250,12 @@ def to_canonical(
         in_experts = owner(module, targets.experts) if module not in projections else None
         if in_experts is not None and m["ab"] in "AB":
             experts_path, rest = in_experts
+            targets.check_adapted(name, experts_path)
             on_experts.setdefault(experts_path, {}).setdefault(rest, {})[m["ab"]] = tensors[tensor_name]
             continue
         if module not in projections:
             raise AdapterInvalid(name, f"targets {module!r}, which this model cannot adapt")
+        targets.check_adapted(name, module)
         halves.setdefault(module, {})[m["ab"][0]] = tensor_name
     if not halves and not on_experts:
         raise AdapterInvalid(name, f"{WEIGHTS_FILE} holds no LoRA weights")

@@ -114,6 +114,11 @@ class EngineArgs:
     max_loras: int = _option(8, "GPU adapter slots: distinct adapters in one step; 0 turns "
                              "adapters off", type=at_least(0))
     max_lora_rank: int = _option(64, "largest adapter rank served", type=at_least(1))
+    lora_target_modules: list[str] | None = _option(
+        None, "only these modules get adapter slots (names as in the checkpoint: q_proj, "
+        "o_proj, gate_proj, ...; `experts` for routed experts); the others cost nothing in a "
+        "step, and adapters that target them are refused. None: every projection and expert",
+        nargs="+", metavar="MODULE")
     max_cpu_loras: int | None = _option(None, "adapters kept in host memory; None: 4 x "
                                         "max-loras", type=at_least(1))
     max_cpu_lora_bytes: int | None = _option(
@@ -218,6 +223,7 @@ class EngineArgs:
             lora=LoRAConfig(
                 max_loras=self.max_loras if self.enable_lora else 0,
                 max_lora_rank=self.max_lora_rank,
+                target_modules=self.lora_target_modules,
                 max_cpu_loras=self.max_cpu_loras,
                 max_cpu_lora_bytes=self.max_cpu_lora_bytes,
                 registry=self.lora_registry,

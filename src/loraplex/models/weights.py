@@ -70,15 +70,38 @@ def expert_modules(model: nn.Module) -> dict[str, Experts]:
     return {path: m for path, m in model.named_modules() if isinstance(m, Experts)}
 
 
-def adapter_targets(model: nn.Module) -> AdapterTargets:
-    """Everything of `model` an adapter may target, as the adapter loader checks it."""
+def adapted_modules(model: nn.Module, target_modules: tuple[str, ...] | None = None
+                    ) -> tuple[dict[str, Projection], dict[str, Experts]]:
+    """The projections and experts modules that get adapter slots: every one, or those
+    whose name (a path's last part: q_proj, gate, `experts`) is in target_modules. A
+    name that matches nothing in the model fails, as a typo would."""
+    projections, experts = projection_index(model), expert_modules(model)
+    if target_modules is None:
+        return projections, experts
+    names = {k.rpartition(".")[2] for k in projections} | {k.rpartition(".")[2] for k in experts}
+    unknown = [m for m in target_modules if m not in names]
+    if unknown:
+        raise ValueError(f"lora_target_modules {', '.join(unknown)}: this model has no such module "
+                         f"(it has {', '.join(sorted(names))})")
+    keep = set(target_modules)
+    return ({k: p for k, p in projections.items() if k.rpartition(".")[2] in keep},
+            {k: x for k, x in experts.items() if k.rpartition(".")[2] in keep})
+
+
+def adapter_targets(model: nn.Module, target_modules: tuple[str, ...] | None = None) -> AdapterTargets:
+    """Everything of `model` an adapter may target, as the adapter loader checks it: the
+    model's projections and experts (their sizes bound a file's), of which the engine
+    adapts those in target_modules (None: all)."""
     interleaved = getattr(model, "checkpoint_gate_up_interleaved", False)
+    adapted_modules(model, target_modules)  # (names checked)
+    projections, experts = projection_index(model), expert_modules(model)
     return AdapterTargets(
-        projections={k: (p.in_features, p.out_features) for k, p in projection_index(model).items()},
+        projections={k: (p.in_features, p.out_features) for k, p in projections.items()},
         experts={path: ExpertShape(m.num_experts, m.hidden_size, _full_intermediate(m), interleaved)
-                 for path, m in expert_modules(model).items()},
+                 for path, m in experts.items()},
         renames=dict(getattr(model, "checkpoint_renames", {})),
         dora=not any(isinstance(m, LoRALinear) and m.tp is not None for m in model.modules()),
+        only=target_modules,
     )
 
 

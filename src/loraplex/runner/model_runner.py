@@ -35,12 +35,11 @@ from loraplex.models.quant import materialize_weights, quantized_layers
 from loraplex.models.registry import build_model
 from loraplex.models.tensor_parallel import param_shards, shard_config, shard_model
 from loraplex.models.weights import (
+    adapted_modules,
     adapter_targets,
     checkpoint_tensor_names,
-    expert_modules,
     init_dummy,
     load_safetensors,
-    projection_index,
 )
 from loraplex.ops.metadata import SHORT_QUERY_MAX
 from loraplex.runner.batch_meta import InputBuffers
@@ -78,12 +77,12 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.model = self._load_model()
-        self.projections = projection_index(self.model)
-        self.adapter_targets = adapter_targets(self.model)
         lora = config.lora
+        self.projections, experts = adapted_modules(self.model, lora.target_modules)
+        self.adapter_targets = adapter_targets(self.model, lora.target_modules)
         self.lora_slots = (
             LoRASlotBuffers(self.projections, lora.max_loras, lora.max_lora_rank, self.dtype, self.device,
-                            expert_modules(self.model))
+                            experts)
             if lora.enabled
             else None
         )
