@@ -41,3 +41,15 @@ def forward_context(ctx: ForwardContext):
 def get_forward_context() -> ForwardContext:
     assert _current is not None, "model forward outside forward_context()"
     return _current
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second stream of the device for a layer's independent branch (DeepSeek's shared
+    experts beside the routed ones), apart from the aux stream that LoRA shrinks and the
+    MoE LoRA use, so neither branch queues behind the other's side work."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]

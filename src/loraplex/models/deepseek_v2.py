@@ -19,10 +19,13 @@ moe_intermediate_size whose output joins the routed rows that the next norm sums
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from loraplex.config import ModelConfig
+from loraplex.layers.context import forward_context, get_forward_context, side_stream
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.mla import LatentAttention
 from loraplex.layers.moe import SparseMoE
@@ -84,7 +87,21 @@ class SharedExpertsMoE(SparseMoE):
         self.shared_experts = GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed, shared = super().forward(x), self.shared_experts(x)
+        ctx = get_forward_context()
+        if ctx.aux_stream is None or self.experts.tp is not None:
+            routed, shared = super().forward(x), self.shared_experts(x)
+        else:
+            # Decode and short steps: the shared experts (a few small GEMMs and their LoRA
+            # kernels, latency bound) run on a side stream beside the routed pipeline. The
+            # side stream starts by waiting on this one and this one waits for it before
+            # the join, so memory either frees is never reused early; inside, the shared
+            # experts' LoRA runs in line (no aux stream: that one serves the routed side).
+            main, side = torch.cuda.current_stream(), side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side), forward_context(replace(ctx, aux_stream=None)):
+                shared = self.shared_experts(x)
+            routed = super().forward(x)
+            main.wait_stream(side)
         if routed.dim() == 2:  # tensor parallel: both already summed over the ranks
             return routed + shared
         return torch.cat((routed, shared.unsqueeze(1)), 1)  # [T, top_k + 1, H], unsummed
