@@ -54,6 +54,9 @@ class LoRABatch:
     group_ranks: torch.Tensor  # [max_loras] int32: rank of group g's adapter, 0 past the last
     slot_ranks: torch.Tensor  # [max_loras] int32: rank of the adapter in each slot, 0 = empty
     groups: list[LoRAGroup]  # host copy of the groups (reference ops only)
+    # Host copy of token_slot, in eager steps (None in a CUDA graph's inputs): ops that loop
+    # over sequences on the host read it without a device sync.
+    host_token_slot: np.ndarray | None = None
     # Some token uses an adapter. Kernels read only the device tensors above, so a CUDA
     # graph captured once serves any mix of adapters and base tokens.
     active: bool = True
@@ -135,5 +138,6 @@ def make_lora_batch(token_slot: list[int], slot_ranks: list[int], max_loras: int
         group_ranks=torch.tensor([g.rank for g in groups] + [0] * pad, **i32),
         slot_ranks=torch.tensor(slot_ranks[:max_loras], **i32),
         groups=groups,
+        host_token_slot=np.asarray(token_slot, dtype=np.int32),
         active=bool(groups),
     )

@@ -268,5 +268,6 @@ class InputBuffers:
             group_ranks=self.group_ranks.upload(len(self.group_ranks.np)),
             slot_ranks=self.slot_ranks.upload(len(self.slot_ranks.np)),
             groups=groups,
+            host_token_slot=self.token_slot.np[:num_tokens].copy(),
             dora=any(x.slot in dora_slots for x in groups),
         )

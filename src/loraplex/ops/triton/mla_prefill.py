@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.metadata import AttentionBatch, MLALoRA
-from loraplex.ops.reference.mla import adapter_groups, sequence_contexts
+from loraplex.ops.reference.mla import sequence_contexts
 
 
 def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w_uk: torch.Tensor,
@@ -23,21 +23,25 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
     """ops.mla_attention for any step (query chunks of any length)."""
     heads, nope, rank = w_uk.shape
     w = torch.cat((w_uk, w_uv), 1).reshape(-1, rank)  # kv_b_proj's weight [H * (nope + v), r]
-    # Token -> its adapter slot (a sequence's tokens share one).
-    slot_of = {t: slot for slot, ids in adapter_groups(lora) for t in ids.tolist()}
+    # Each token's adapter slot, on the host (a sequence's tokens share one).
+    slots = None if lora is None else lora.batch.host_token_slot
+    assert lora is None or slots is not None, "latent-attention prefill runs eagerly"
     out = q_nope.new_zeros(q_nope.shape[0], heads, w_uv.shape[1])  # padding rows stay 0
     for q0, q1, rows, mask in sequence_contexts(cache, batch):
         latent, k_pe = rows[:, :rank], rows[:, rank:]
         kv = latent @ w.T
-        slot = slot_of.get(q0, -1)
+        slot = -1 if slots is None else int(slots[q0])
         if slot >= 0:  # the sequence's adapter on kv_b_proj: + (c A^T) B^T
             b_kv = torch.cat((lora.b_k[slot], lora.b_v[slot]), 1).reshape(-1, lora.a.shape[1])
             kv = kv + (latent @ lora.a[slot].T) @ b_kv.T
         k_nope, v = kv.view(len(rows), heads, -1).split((nope, w_uv.shape[1]), -1)
         k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), -1)
         q = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), -1)
+        # A whole prompt (no cached context) is plain causal attention: no mask tensor,
+        # so torch takes its fused kernels.
+        whole = q1 - q0 == len(rows)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=scale)
+                                           attn_mask=None if whole else mask, is_causal=whole, scale=scale)
         out[q0:q1] = o.transpose(0, 1)
     return out
 
