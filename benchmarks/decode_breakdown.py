@@ -23,7 +23,8 @@ from benchmarks import harness
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
        "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
-       "gelu_tanh_and_mul")
+       "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped")
+BLOCKS = ("SelfAttention", "LatentSelfAttention", "SparseMoE", "SharedExpertsMoE", "GatedMLP")
 MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_gemm_quant", "moe_gemv_quant", "moe_lora_gemv",
               "moe_lora")
 
@@ -100,7 +101,7 @@ def breakdown(runner, shape, use: bool, refill, replays: int = 20) -> dict:
             for name, module in runner.model.named_modules():
                 if isinstance(module, LoRALinear):
                     hooks += marks.hook_module(module, "linear." + "+".join(module.slice_names))
-                elif type(module).__name__ in ("SelfAttention", "SparseMoE", "GatedMLP"):
+                elif type(module).__name__ in BLOCKS:
                     hooks += marks.hook_module(module, "block." + type(module).__name__)
                 elif name.endswith(".layers.0"):
                     hooks += marks.hook_module(module, "one decoder layer (the first)")
@@ -155,7 +156,7 @@ def main(argv=None):
     for label, use in runs:
         harness.start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
         torch.cuda.synchronize()
-        shape = runner.graphs.shape_for(args.batch, args.batch)
+        shape = runner.graphs.shape_for(args.batch, args.batch, 1)
         plain = harness.events_ms(lambda: runner.graphs.replay(shape, use), repeats=50)
 
         def refill():

@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
-#        tp (two GPUs or more) | deepseek
+#        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -73,6 +73,14 @@ for step in $STEPS; do
         --adapters 16 --expert-adapters --routing-stats ${BD_ARGS:-} --out "$OUT/breakdown-gpt-oss.json" | tail -70
       run breakdown-llama 150 decode_breakdown --model llama-3.1-8b --batch 32 --prompt-len 512 \
         --adapters 32 ${BD_ARGS:-} --out "$OUT/breakdown-llama.json" | tail -50 ;;
+    breakdown-deepseek)  # DeepSeek-V2-Lite's decode op by op, the bench's adapters (attention, MLPs, experts)
+      run breakdown-deepseek 200 decode_breakdown --model deepseek-v2-lite --batch 16 --prompt-len 1600 \
+        --adapters 16 --expert-adapters --routing-stats --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj \
+        o_proj gate_proj up_proj down_proj ${BD_ARGS:-} --out "$OUT/breakdown-deepseek.json" | tail -70 ;;
+    prefill-deepseek)  # the kernels of one 6,400-token prompt step of DeepSeek-V2-Lite, base and 16 adapters
+      run prefill-deepseek 200 prefill_kernels --model deepseek-v2-lite --batch 4 --prompt-len 1600 \
+        --adapters 16 --expert-adapters --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj o_proj gate_proj \
+        up_proj down_proj --out "$OUT/prefill-deepseek.json" | tail -60 ;;
     breakdown-quant)  # quantized experts' decode op by op: gpt-oss-20b MXFP4; Qwen3-30B-A3B FP8 with the
       # GEMV form (its default at 16 tokens: 128 pairs on 128 experts) and with the grouped GEMM
       for spec in "gpt-oss-20b mxfp4 1" "qwen3-30b-a3b fp8 1" "qwen3-30b-a3b fp8 0.5"; do
@@ -106,11 +114,17 @@ for step in $STEPS; do
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 200 python3 -m pytest -q -p no:cacheprovider \
         tests/test_mla_ops.py tests/test_deepseek.py --tb=short > "$OUT/deepseek-tests.log" 2>&1
       grep -E "^(FAILED|ERROR|E  )" "$OUT/deepseek-tests.log" | head -20; tail -1 "$OUT/deepseek-tests.log"
-      timeout 560 python3 -m loraplex.entrypoints.cli bench --model deepseek-v2-lite --num-adapters 0 16 \
-        --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj o_proj gate_proj up_proj down_proj experts \
-        --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 --output-len 600 \
-        --cache-dir "$CACHE" --result-json "$OUT/deepseek.json" 2>&1 | grep -v "it/s" > "$OUT/deepseek.txt"
-      tail -8 "$OUT/deepseek.txt" ;;
+      # (TARGETS=1: then with slots on the adapters' modules alone, --lora-target-modules)
+      T=(q_proj kv_a_proj_with_mqa kv_b_proj o_proj gate_proj up_proj down_proj experts)
+      VARIANTS=("")
+      [ -n "${TARGETS:-}" ] && VARIANTS+=("--lora-target-modules ${T[*]}")
+      for only in "${VARIANTS[@]}"; do
+        name=deepseek${only:+-targets}
+        timeout 280 python3 -m loraplex.entrypoints.cli bench --model deepseek-v2-lite --num-adapters 0 16 \
+          --lora-targets "${T[@]}" $only --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 \
+          --output-len 600 --cache-dir "$CACHE" --result-json "$OUT/$name.json" 2>&1 | grep -v "it/s" > "$OUT/$name.txt"
+        grep -E "^\| deepseek|distinct|TPOT median" "$OUT/$name.txt" | tail -5
+      done ;;
     cold)  # RESULTS: "1,000 cold adapters" (registry; the step profile says where time goes)
       # (COLD_ARGS=--sample-stacks adds where the engine thread is, at a cost: its sampler
       # thread takes the GIL, and the run slows by ~10%)

@@ -346,6 +346,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b"
     g.add_argument("--prompt-len", type=int, default=prompt_len,
                    help="tokens per prompt (default: %(default)s)")
     g.add_argument("--expert-adapters", action="store_true", help="MoE: adapters on every expert too")
+    g.add_argument("--lora-targets", nargs="+", default=None, metavar="MODULE",
+                   help="the adapters' projections (default: q/k/v/o and the MLP's three)")
     g.add_argument("--quantization", default=None, choices=["fp8", "mxfp4", "awq", "gptq"],
                    help="random weights in this format (default: bf16)")
 
@@ -431,13 +433,14 @@ def dummy_llm(model: str, cache_dir: Path, **llm_kwargs):
     return LLM(str(model_dir), **llm_kwargs), model_dir
 
 
-def random_adapters(engine, model_dir: Path, cache_dir: Path, count: int, experts: bool = False) -> list:
-    """LoRARequests for `count` random rank-16 adapters on every projection (and every
-    expert with `experts`), written once into `cache_dir`."""
+def random_adapters(engine, model_dir: Path, cache_dir: Path, count: int, experts: bool = False,
+                    projections: list[str] | None = None) -> list:
+    """LoRARequests for `count` random rank-16 adapters on `projections` (default: q/k/v/o
+    and the MLP's; and every expert with `experts`), written once into `cache_dir`."""
     from loraplex.bench.synthetic import LINEAR_TARGETS
     from loraplex.bench.workload import random_adapter_requests
 
-    targets = LINEAR_TARGETS + (("experts",) if experts else ())
+    targets = tuple(projections or LINEAR_TARGETS) + (("experts",) if experts else ())
     return random_adapter_requests(engine, model_dir, Path(cache_dir), count, targets=targets)
 
 
@@ -448,7 +451,8 @@ def decode_engine(args: argparse.Namespace, **llm_kwargs):
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
                                quantization=getattr(args, "quantization", None), **llm_kwargs)
     engine = llm.engine
-    loras = random_adapters(engine, model_dir, args.cache_dir, args.adapters, args.expert_adapters)
+    loras = random_adapters(engine, model_dir, args.cache_dir, args.adapters, args.expert_adapters,
+                            getattr(args, "lora_targets", None))
     return engine, engine.runner, loras
 
 

@@ -121,15 +121,16 @@ def main(argv=None):
             results[t] = dict(eager=eager)
             print(f"{t} tokens: eager {eager:.2f} ms", flush=True)
             continue
-        bucket = graphs.shape_for(t, len(plan.chunks))
+        longest = max(c.num_tokens for c in plan.chunks)
+        bucket = graphs.shape_for(t, len(plan.chunks), longest)
         padded = device_ms(runner, plan, args.reps)
         exact = StepGraphs(runner.model, runner.inputs, 1, None, False)
         exact.decode_sizes, exact.mixed_sizes = [], [t]
         with ops.using_backend("triton"):
             exact.capture()
         runner.graphs = exact
-        want = GraphShape(t, runner.inputs.mixed_graph_seqs, decode=False)
-        assert exact.shape_for(t, len(plan.chunks)) == want
+        want = GraphShape(t, runner.inputs.mixed_graph_seqs, None)
+        assert exact.shape_for(t, len(plan.chunks), longest) == want
         exact_ms = device_ms(runner, plan, args.reps)
         runner.graphs = graphs
         del exact

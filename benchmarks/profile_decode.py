@@ -92,7 +92,7 @@ def main(argv=None):
         wall = (time.perf_counter() - t0) / args.steps * 1e3
         run = {"engine_step_ms": wall}
         if runner.graphs is not None:
-            size = runner.graphs.shape_for(args.batch, args.batch)
+            size = runner.graphs.shape_for(args.batch, args.batch, 1)
             gpu = harness.events_ms(lambda: runner.graphs.replay(size, use), repeats=20)
             run["graph_replay_ms"] = gpu
             print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
