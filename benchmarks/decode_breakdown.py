@@ -135,6 +135,8 @@ def build_parser():
     harness.add_engine_arguments(p)
     p.add_argument("--gemv-pairs-per-expert", type=float, default=None,
                    help="quantized experts: take the GEMV form up to this many pairs per expert")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
     return p
@@ -154,7 +156,8 @@ def main(argv=None):
                "routing_stats": args.routing_stats, "runs": {}}
     runs = [("base", False)] + ([(f"{args.adapters} adapters", True)] if args.adapters else [])
     for label, use in runs:
-        harness.start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200)
+        harness.start_decode(engine, label, args.batch, args.prompt_len, loras if use else [], 200,
+                             random_prompts=args.random_prompts)
         torch.cuda.synchronize()
         shape = runner.graphs.shape_for(args.batch, args.batch, 1)
         plain = harness.events_ms(lambda: runner.graphs.replay(shape, use), repeats=50)

@@ -75,7 +75,7 @@ for step in $STEPS; do
         --adapters 32 ${BD_ARGS:-} --out "$OUT/breakdown-llama.json" | tail -50 ;;
     breakdown-deepseek)  # DeepSeek-V2-Lite's decode op by op, the bench's adapters (attention, MLPs, experts)
       run breakdown-deepseek 200 decode_breakdown --model deepseek-v2-lite --batch 16 --prompt-len 1600 \
-        --adapters 16 --expert-adapters --routing-stats --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj \
+        --adapters 16 --expert-adapters --routing-stats --random-prompts --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj \
         o_proj gate_proj up_proj down_proj ${BD_ARGS:-} --out "$OUT/breakdown-deepseek.json" | tail -70 ;;
     prefill-deepseek)  # the kernels of one 6,400-token prompt step of DeepSeek-V2-Lite, base and 16 adapters
       run prefill-deepseek 200 prefill_kernels --model deepseek-v2-lite --batch 4 --prompt-len 1600 \

@@ -457,15 +457,22 @@ def decode_engine(args: argparse.Namespace, **llm_kwargs):
 
 
 def start_decode(engine, label: str, batch: int, prompt_len: int, loras: list, max_tokens: int,
-                 warm_steps: int = 5) -> None:
+                 warm_steps: int = 5, random_prompts: bool = False) -> None:
     """`batch` requests (request i on adapter i mod len(loras), none without loras),
-    stepped until every one decodes, then `warm_steps` more steps."""
+    stepped until every one decodes, then `warm_steps` more steps. Prompts repeat one
+    token (request i: 1000 + i), or with `random_prompts` are random tokens (seeded): an
+    MoE model's routing then spreads as in serving, where repeated tokens narrow it."""
+    import torch
+
     from loraplex import SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
     for i in range(batch):
         lora = loras[i % len(loras)] if loras else None
-        engine.add_request(f"{label}-{i}", [1000 + i] * prompt_len, sp, lora)
+        prompt = (torch.randint(1000, 30000, (prompt_len,), generator=g).tolist() if random_prompts
+                  else [1000 + i] * prompt_len)
+        engine.add_request(f"{label}-{i}", prompt, sp, lora)
     while any(len(r.output_token_ids) == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(warm_steps):

@@ -33,6 +33,11 @@ def test_decode_matches_the_expanded_attention(backend, max_splits, monkeypatch)
 
     monkeypatch.setattr(mla_decode, "PARTITION_SIZE", 32)
     monkeypatch.setattr(mla_decode, "MAX_SPLITS", max_splits)
+    if max_splits > 1:  # the adapter kernels' rows in several chunks too
+        from loraplex.ops.triton import mla_lora
+
+        monkeypatch.setattr(mla_lora, "BLOCK_IN", 8)
+        monkeypatch.setattr(mla_lora, "BLOCK_LAT", 16)
     gen = torch.Generator().manual_seed(0)
     page = 4
     contexts = [5, 1, 70, 0, 33, 12]  # 0: a CUDA graph's padding sequence (no context)

@@ -1,7 +1,8 @@
 """kv_b_proj's adapter delta under absorption, for decode steps (mla_decode.py): two
-kernels, one per side of the latent attention, each a program per (token, head block)
-that reads its token's slot on the device (graph safe) and returns at once for base
-tokens.
+kernels, one per side of the latent attention, each a program per (token, head block,
+chunk of its output row) that reads its token's slot on the device (graph safe) and
+returns at once for base tokens. A decode step has few tokens: the chunks are what
+spreads the work over the SMs (each program recomputes the small rank-R middle).
 
     key side:   q_lat[t, h] += A_s^T (B_k[s, h]^T q_nope[t, h])      (before attention)
     value side: out[t, h]   += B_v[s, h] (A_s o_lat[t, h])            (after attention)
@@ -29,7 +30,7 @@ def add_key_delta(q_lat: torch.Tensor, q_nope: torch.Tensor, lora: MLALoRA) -> N
     """q_lat [T, H, r] += the key rows' adapter delta, per token's slot."""
     t, heads, nope = q_nope.shape
     a, b = lora.a, lora.b_k
-    _key_delta[(t, triton.cdiv(heads, BLOCK_H))](
+    _key_delta[(t, triton.cdiv(heads, BLOCK_H), triton.cdiv(a.shape[2], BLOCK_LAT))](
         q_lat, q_nope, a, b, lora.batch.token_slot,
         q_lat.stride(0), q_lat.stride(1), q_nope.stride(0), q_nope.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -43,7 +44,7 @@ def add_value_delta(out: torch.Tensor, o_lat: torch.Tensor, lora: MLALoRA) -> No
     """out [T, H, v] += the value rows' adapter delta B_v (A o_lat), per token's slot."""
     t, heads, v = out.shape
     a, b = lora.a, lora.b_v
-    _value_delta[(t, triton.cdiv(heads, BLOCK_H))](
+    _value_delta[(t, triton.cdiv(heads, BLOCK_H), triton.cdiv(v, BLOCK_IN))](
         out, o_lat, a, b, lora.batch.token_slot,
         out.stride(0), out.stride(1), o_lat.stride(0), o_lat.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
@@ -77,19 +78,18 @@ def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_
                     mask=hmask[:, None, None] & nmask[None, :, None] & kmask[None, None, :],
                     other=0.0).to(tl.float32)
         u += tl.sum(q[:, :, None] * w, 1)
-    # q_lat[t, h, r] += sum_k u[h, k] A[s, k, r]
-    for r0 in range(0, LAT, BLOCK_LAT):
-        r = r0 + tl.arange(0, BLOCK_LAT)
-        rmask = r < LAT
-        w = tl.load(a + slot * s_as + k[:, None] * s_ar + r[None, :], mask=kmask[:, None] & rmask[None, :],
-                    other=0.0)
-        if UPCAST:
-            w = w.to(tl.float32)
-        delta = tl.dot(u.to(w.dtype), w, input_precision=DOT_PRECISION)
-        ptrs = q_lat + t * s_qt + heads[:, None] * s_qh + r[None, :]
-        mask = hmask[:, None] & rmask[None, :]
-        new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-        tl.store(ptrs, new.to(q_lat.dtype.element_ty), mask=mask)
+    # q_lat[t, h, r] += sum_k u[h, k] A[s, k, r], over this program's chunk of r
+    r = tl.program_id(2) * BLOCK_LAT + tl.arange(0, BLOCK_LAT)
+    rmask = r < LAT
+    w = tl.load(a + slot * s_as + k[:, None] * s_ar + r[None, :], mask=kmask[:, None] & rmask[None, :],
+                other=0.0)
+    if UPCAST:
+        w = w.to(tl.float32)
+    delta = tl.dot(u.to(w.dtype), w, input_precision=DOT_PRECISION)
+    ptrs = q_lat + t * s_qt + heads[:, None] * s_qh + r[None, :]
+    mask = hmask[:, None] & rmask[None, :]
+    new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(ptrs, new.to(q_lat.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -116,16 +116,14 @@ def _value_delta(out, o_lat, a, b, token_slot, s_ot, s_oh, s_lt, s_lh, s_as, s_a
         if UPCAST:
             o, w = o.to(tl.float32), w.to(tl.float32)
         u += tl.dot(o.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
-    # out[t, h, v] += sum_k u[h, k] B_v[s, h, v, k]
-    for v0 in range(0, V, BLOCK_IN):
-        v = v0 + tl.arange(0, BLOCK_IN)
-        vmask = v < V
-        rows = b + slot * s_bs + heads[:, None, None] * s_bh + v[None, :, None] * s_bv
-        w = tl.load(rows + k[None, None, :],
-                    mask=hmask[:, None, None] & vmask[None, :, None] & kmask[None, None, :],
-                    other=0.0).to(tl.float32)
-        delta = tl.sum(u[:, None, :] * w, 2)
-        ptrs = out + t * s_ot + heads[:, None] * s_oh + v[None, :]
-        mask = hmask[:, None] & vmask[None, :]
-        new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-        tl.store(ptrs, new.to(out.dtype.element_ty), mask=mask)
+    # out[t, h, v] += sum_k u[h, k] B_v[s, h, v, k], over this program's chunk of v
+    v = tl.program_id(2) * BLOCK_IN + tl.arange(0, BLOCK_IN)
+    vmask = v < V
+    rows = b + slot * s_bs + heads[:, None, None] * s_bh + v[None, :, None] * s_bv
+    bmask = hmask[:, None, None] & vmask[None, :, None] & kmask[None, None, :]
+    w = tl.load(rows + k[None, None, :], mask=bmask, other=0.0).to(tl.float32)
+    delta = tl.sum(u[:, None, :] * w, 2)
+    ptrs = out + t * s_ot + heads[:, None] * s_oh + v[None, :]
+    mask = hmask[:, None] & vmask[None, :]
+    new = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(ptrs, new.to(out.dtype.element_ty), mask=mask)

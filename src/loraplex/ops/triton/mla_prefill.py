@@ -1,6 +1,7 @@
 """Multi-head latent attention for steps with longer chunks (prefill, verification):
 keys and values expanded from the latents, then attention in the model's dtype (torch's
-scaled_dot_product_attention, flash kernels on a GPU), sequence by sequence (eager steps:
+scaled_dot_product_attention, flash kernels on a GPU, v padded to the query's head size),
+sequence by sequence (eager steps:
 the loop reads the batch on the host).
 
 A prefill chunk has many query tokens per sequence, so expanding each context latent into
@@ -37,11 +38,18 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
         k_nope, v = kv.view(len(rows), heads, -1).split((nope, w_uv.shape[1]), -1)
         k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), -1)
         q = torch.cat((q_nope[q0:q1], q_pe[q0:q1]), -1)
-        # A whole prompt (no cached context) is plain causal attention: no mask tensor,
-        # so torch takes its fused kernels.
+        # Torch's flash kernel wants one head size for q, k and v (DeepSeek: 192, 192, 128):
+        # v is zero-padded to it and the output cut back. A whole prompt (no cached context)
+        # is plain causal attention, with no mask tensor; without these (and 4-D inputs), SDPA
+        # falls back to its float32 math path (~70% of a V2-Lite prompt step).
+        v_dim = v.shape[-1]
+        if v_dim < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - v_dim))
         whole = q1 - q0 == len(rows)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=None if whole else mask, is_causal=whole, scale=scale)
-        out[q0:q1] = o.transpose(0, 1)
+        # [1, H, tokens, D]: the fused kernels take 4-D inputs only
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=None if whole else mask, is_causal=whole,
+                                           scale=scale)
+        out[q0:q1] = o[0].transpose(0, 1)[..., :v_dim]
     return out
 
