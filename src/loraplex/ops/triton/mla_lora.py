@@ -28,27 +28,25 @@ BLOCK_LAT = 128  # latent dims per tile
 
 def add_key_delta(q_lat: torch.Tensor, q_nope: torch.Tensor, lora: MLALoRA) -> None:
     """q_lat [T, H, r] += the key rows' adapter delta, per token's slot."""
-    t, heads, nope = q_nope.shape
-    a, b = lora.a, lora.b_k
-    _key_delta[(t, triton.cdiv(heads, BLOCK_H), triton.cdiv(a.shape[2], BLOCK_LAT))](
-        q_lat, q_nope, a, b, lora.batch.token_slot,
-        q_lat.stride(0), q_lat.stride(1), q_nope.stride(0), q_nope.stride(1),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        heads, nope, a.shape[1], a.shape[2],
-        R_PAD=max(16, triton.next_power_of_2(a.shape[1])), BLOCK_H=BLOCK_H, BLOCK_IN=BLOCK_IN,
-        BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4,
-    )
+    _launch(_key_delta, q_lat, q_nope, lora.b_k, lora, chunks=triton.cdiv(lora.a.shape[2], BLOCK_LAT))
 
 
 def add_value_delta(out: torch.Tensor, o_lat: torch.Tensor, lora: MLALoRA) -> None:
     """out [T, H, v] += the value rows' adapter delta B_v (A o_lat), per token's slot."""
-    t, heads, v = out.shape
-    a, b = lora.a, lora.b_v
-    _value_delta[(t, triton.cdiv(heads, BLOCK_H), triton.cdiv(v, BLOCK_IN))](
-        out, o_lat, a, b, lora.batch.token_slot,
-        out.stride(0), out.stride(1), o_lat.stride(0), o_lat.stride(1),
+    _launch(_value_delta, out, o_lat, lora.b_v, lora, chunks=triton.cdiv(out.shape[2], BLOCK_IN))
+
+
+def _launch(kernel, target: torch.Tensor, src: torch.Tensor, b: torch.Tensor, lora: MLALoRA, chunks: int):
+    """kernel over (tokens, head blocks, chunks): target [T, H, .] += delta of src [T, H, .],
+    through A [slots, R, r] and b [slots, H, rows, R] (its rows: nope or v)."""
+    t, heads = target.shape[:2]
+    a = lora.a
+    assert all(x.stride(-1) == 1 for x in (target, src, a, b)), "rows must be contiguous"
+    kernel[(t, triton.cdiv(heads, BLOCK_H), chunks)](
+        target, src, a, b, lora.batch.token_slot,
+        target.stride(0), target.stride(1), src.stride(0), src.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        heads, v, a.shape[1], a.shape[2],
+        heads, b.shape[2], a.shape[1], a.shape[2],
         R_PAD=max(16, triton.next_power_of_2(a.shape[1])), BLOCK_H=BLOCK_H, BLOCK_IN=BLOCK_IN,
         BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4,
     )
