@@ -9,6 +9,8 @@ round of the same shape, and the top kernels by device time are printed.
     python -m benchmarks.prefill_kernels --model deepseek-v2-lite --batch 4 --prompt-len 1600 \
         --adapters 16 --expert-adapters --lora-targets q_proj kv_a_proj_with_mqa kv_b_proj o_proj \
         gate_proj up_proj down_proj
+
+Figure: benchmarks/RESULTS.md, "DeepSeek-V2-Lite, 16 adapters" (a prompt step's kernels).
 """
 
 from __future__ import annotations
