@@ -181,3 +181,5 @@ def test_target_modules_restrict_the_slots(model_dirs, adapter_dirs, llm):
     assert len(narrow.generate(prompts, SP, qv)) == 3
     with pytest.raises(ValueError, match="q_prj: this model has no such module"):
         make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules=["q_prj"])
+    with pytest.raises(ValueError, match="must be a list of module names"):
+        make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules="q_proj")

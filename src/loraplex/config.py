@@ -419,6 +419,9 @@ class LoRAConfig:
         if self.max_loras < 0 or self.max_lora_rank <= 0:
             raise ValueError("max_loras must be >= 0 and max_lora_rank > 0")
         if self.target_modules is not None:
+            if isinstance(self.target_modules, str):  # tuple() would split it into letters
+                raise ValueError(f"lora_target_modules must be a list of module names, got "
+                                 f"{self.target_modules!r}")
             object.__setattr__(self, "target_modules", tuple(self.target_modules))  # (frozen)
             if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
                 raise ValueError("lora_target_modules must be a non-empty list of module names")
