@@ -22,7 +22,7 @@ from torch import nn
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.lora_weights import LoRAWeights
-from loraplex.layers.parallel import LinearShard
+from loraplex.layers.parallel import LinearShard, reduce_deferred
 from loraplex.ops.metadata import LoRABatch
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
@@ -84,8 +84,8 @@ class LoRALinear(nn.Module):
             ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
             if batch.dora and self.lora.dora_scale is not None:
                 y = self._dora_rescale(y, batch.token_slot)
-        if self.tp is not None and self.tp.reduces:  # partial sums, adapter deltas included
-            self.tp.group.all_reduce(y)
+        if self.tp is not None and self.tp.reduces and not reduce_deferred():
+            self.tp.group.all_reduce(y)  # partial sums, adapter deltas included
         return y
 
     def base_and_shrink(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from loraplex.config import ModelConfig
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.linear import LoRALinear, weight_device
 from loraplex.layers.lora_weights import ExpertLoRAWeights
-from loraplex.layers.parallel import ExpertShard
+from loraplex.layers.parallel import ExpertShard, reduce_deferred
 from loraplex.ops.metadata import MoELoRA
 
 
@@ -87,7 +87,7 @@ class SparseMoE(nn.Module):
         out = ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
                                 ctx.moe_stats, ctx.aux_stream, sum_topk=e.tp is not None)
-        return out if e.tp is None else e.tp.group.all_reduce(out)
+        return out if e.tp is None or reduce_deferred() else e.tp.group.all_reduce(out)
 
     def warm_up(self, max_tokens: int) -> None:
         """Compile the expert kernels that eager steps of up to max_tokens tokens run."""

@@ -11,6 +11,8 @@ in the layer's own all-reduce: no second collective, exactly x A^T B^T in the su
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,24 @@ import torch.distributed as dist
 
 # torch >= 2.12's name for all_gather_into_tensor (which it deprecates)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_PARTIAL = contextvars.ContextVar("loraplex_partial_sums", default=False)
+
+
+@contextmanager
+def partial_sums():
+    """Inside, row-parallel layers and MoE layers leave their outputs as this rank's
+    partial sums: a caller that adds several branches all-reduces their sum once."""
+    token = _PARTIAL.set(True)
+    try:
+        yield
+    finally:
+        _PARTIAL.reset(token)
+
+
+def reduce_deferred() -> bool:
+    return _PARTIAL.get()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from loraplex.layers.linear import LoRALinear
 from loraplex.layers.mla import LatentAttention
 from loraplex.layers.moe import SparseMoE
 from loraplex.layers.norm import RMSNorm
+from loraplex.layers.parallel import partial_sums
 from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.blocks import DecoderLayer, GatedMLP
 from loraplex.models.dense import DenseCausalLM
@@ -88,7 +89,11 @@ class SharedExpertsMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        if ctx.aux_stream is None or self.experts.tp is not None:
+        if self.experts.tp is not None:  # both branches' partial sums, one all-reduce
+            with partial_sums():
+                out = super().forward(x) + self.shared_experts(x)
+            return self.experts.tp.group.all_reduce(out)
+        if ctx.aux_stream is None:
             routed, shared = super().forward(x), self.shared_experts(x)
         else:
             # Decode and short steps: the shared experts (a few small GEMMs and their LoRA
@@ -102,8 +107,6 @@ class SharedExpertsMoE(SparseMoE):
                 shared = self.shared_experts(x)
             routed = super().forward(x)
             main.wait_stream(side)
-        if routed.dim() == 2:  # tensor parallel: both already summed over the ranks
-            return routed + shared
         return torch.cat((routed, shared.unsqueeze(1)), 1)  # [T, top_k + 1, H], unsummed
 
 
