@@ -7,6 +7,8 @@ not keys and values."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from conftest import BOS, DTYPE, EOS, VOCAB, HFOracle, make_llm, make_peft_adapter, random_prompts, tolerance
@@ -149,3 +151,38 @@ def test_triton_backend_decodes_like_transformers(deepseek):
         _assert_close(_prompt_lps(out, prompt), oracle.prompt_logprobs(prompt))
         if DTYPE == "float32":
             assert out.outputs[0].token_ids == oracle.greedy(prompt, SP.max_tokens)
+
+
+def test_fp8_at_load_time(deepseek, tmp_path):
+    """--quantization fp8 on a bf16 DeepSeek checkpoint: every projection and expert in
+    FP8 except kv_b_proj (latent attention reads it as a tensor) and the routers; served as
+    transformers + PEFT serve the weights round-tripped through FP8, adapter rows beside
+    base rows, by the reference ops and by the Triton kernels."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.ops.formats import Fp8Weight
+    from loraplex.ops.reference.quant import dequantize, quantize_fp8
+
+    model_dir, adapter = deepseek
+    llms = [make_llm(model_dir, quantization="fp8", ops_backend=b) for b in ("torch", "triton")]
+    model = llms[0].engine.runner.model.model
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    assert isinstance(attn.o_proj.weight, Fp8Weight) and isinstance(moe.experts.gate_up_proj, Fp8Weight)
+    assert isinstance(moe.shared_experts.down_proj.weight, Fp8Weight)
+    assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
+    assert isinstance(moe.gate.weight, torch.nn.Parameter)
+    oracle = tmp_path / "round-tripped"
+    shutil.copytree(model_dir, oracle)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for name, t in tensors.items():
+        if (name.startswith("model.layers.") and name.endswith(("proj.weight", "mqa.weight"))
+                and "kv_b_proj" not in name) or ".experts." in name:
+            tensors[name] = dequantize(quantize_fp8(t, 128)).to(t.dtype)
+    save_file(tensors, str(oracle / "model.safetensors"))
+    prompts = random_prompts(4, (5, 30), seed=8)
+    lora = LoRARequest("all", 1, str(adapter))
+    loras = [lora, None] * 2
+    oracles = {lora: HFOracle(oracle, adapter), None: HFOracle(oracle)}
+    for llm in llms:  # the reference ops, and the Triton kernels (the interpreter on CPU)
+        for p, out, a in zip(prompts, llm.generate(prompts, SP, loras), loras):
+            _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))

@@ -122,6 +122,11 @@ class DeepseekV2DecoderLayer(DecoderLayer):
 
 class DeepseekV2CausalLM(DenseCausalLM):
     layer_cls = DeepseekV2DecoderLayer
+    # --quantization fp8 leaves kv_b_proj in the model's dtype (latent attention reads its
+    # weight as per-head tensors, W_uk and W_uv, absorbed into queries and outputs) and the
+    # routers (routing is sensitive, V3's carries its correction bias; as DeepSeek's own
+    # FP8 checkpoints keep them).
+    unquantized_modules = ("kv_b_proj", "gate")
 
     def checkpoint_skips(self, name: str) -> bool:
         """DeepSeek-V3's multi-token prediction layers (numbered past the model's own),

@@ -53,7 +53,11 @@ def quantized_layers(model: nn.Module, cfg: ModelConfig, checkpoint_names: set[s
         return set()
     layers = deferred_layers(model)
     if checkpoint_names is None or quant.online:
-        return {path for path, m in layers.items() if _covers(quant, path, m)}
+        # A model may keep some projections in its dtype: DeepSeek's kv_b_proj, which
+        # latent attention reads as a tensor (absorbed into queries and outputs).
+        keep = set(getattr(model, "unquantized_modules", ()))
+        return {path for path, m in layers.items() if _covers(quant, path, m)
+                and not (isinstance(m, LoRALinear) and keep & set(m.slice_names))}
     marks = QUANTIZED_MARKS[quant.method]
     marked = {n for n in checkpoint_names if n.endswith(marks)}
     out = set()
