@@ -183,3 +183,5 @@ def test_target_modules_restrict_the_slots(model_dirs, adapter_dirs, llm):
         make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules=["q_prj"])
     with pytest.raises(ValueError, match="must be a list of module names"):
         make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules="q_proj")
+    with pytest.raises(ValueError, match="non-empty list of module names"):
+        make_llm(model_dirs["qwen3"], max_loras=2, lora_target_modules=[])

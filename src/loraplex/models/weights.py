@@ -91,9 +91,8 @@ def adapted_modules(model: nn.Module, target_modules: tuple[str, ...] | None = N
 def adapter_targets(model: nn.Module, target_modules: tuple[str, ...] | None = None) -> AdapterTargets:
     """Everything of `model` an adapter may target, as the adapter loader checks it: the
     model's projections and experts (their sizes bound a file's), of which the engine
-    adapts those in target_modules (None: all)."""
+    adapts those in target_modules (None: all; the names as `adapted_modules` checked them)."""
     interleaved = getattr(model, "checkpoint_gate_up_interleaved", False)
-    adapted_modules(model, target_modules)  # (names checked)
     projections, experts = projection_index(model), expert_modules(model)
     return AdapterTargets(
         projections={k: (p.in_features, p.out_features) for k, p in projections.items()},

@@ -225,7 +225,7 @@ def mla_attention(
     q_nope [T, H, n], q_pe [T, H, d], cache [num_blocks, block_size, r + d], w_uk [H, n, r],
     w_uv [H, v, r] -> [T, H, v] in q's dtype. Rows of sequences with no context are 0.
     The Triton backend has a kernel for steps of one token per sequence (graph safe);
-    longer chunks run the reference.
+    longer chunks expand keys and values and attend through torch's SDPA (eager).
     """
     return _impl.mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
 

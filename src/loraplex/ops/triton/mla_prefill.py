@@ -1,8 +1,7 @@
 """Multi-head latent attention for steps with longer chunks (prefill, verification):
 keys and values expanded from the latents, then attention in the model's dtype (torch's
 scaled_dot_product_attention, flash kernels on a GPU, v padded to the query's head size),
-sequence by sequence (eager steps:
-the loop reads the batch on the host).
+sequence by sequence (eager steps: the loop reads the batch on the host).
 
 A prefill chunk has many query tokens per sequence, so expanding each context latent into
 per-head keys and values once (one GEMM through kv_b_proj, plus the sequence's adapter
@@ -52,4 +51,3 @@ def mla_prefill_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch
                                            scale=scale)
         out[q0:q1] = o[0].transpose(0, 1)[..., :v_dim]
     return out
-
