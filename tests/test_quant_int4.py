@@ -1,4 +1,4 @@
-"""AWQ and GPTQ int4 bases (ops/formats.py Int4Weight, models/quant_int4.py): checkpoints
+"""AWQ and GPTQ int4 bases (ops/formats Int4Weight, ops/formats/int4.py): checkpoints
 in the published packings load to exactly their values, and serve (adapters on top, mixed
 with base rows) the prompt logprobs transformers + PEFT give on their dequantized
 weights; malformed ones fail at load. The W4A16 Triton kernel (ops/triton/int4_gemm.py)
@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
-from loraplex.models.quant_int4 import ingest_int4
 from loraplex.ops.formats import Int4Weight
+from loraplex.ops.formats.int4 import ingest_int4
 from loraplex.ops.reference.quant import dequantize, pack_nibbles, unpack_nibbles
 
 GROUP = 32  # divides the tiny models' K (64, 96, 128)
@@ -276,7 +276,7 @@ def test_random_int4_weights_at_llama_shapes():
     """--load-format dummy --quantization awq on Llama-3.1-8B's projections: group 128 on
     every K (4096, 14336), N(0, std) weights within their group's quantization step."""
     from loraplex.config import QuantConfig as Q
-    from loraplex.models.quant import init_quantized, new_weight
+    from loraplex.ops.formats.checkpoint import init_quantized, new_weight
 
     quant = Q("awq", "int4", group_size=128, symmetric=False)
     gen = torch.Generator().manual_seed(0)

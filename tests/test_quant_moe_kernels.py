@@ -1,4 +1,4 @@
-"""The Triton MoE kernels on quantized experts (ops/formats.py) against the plain-torch
+"""The Triton MoE kernels on quantized experts (ops/formats) against the plain-torch
 oracle (ops.reference.moe.fused_experts, which dequantizes the same weights first):
 FP8 block-scaled experts here (scale blocks of 128, of 32 across a K step, per channel),
 MXFP4 in test_quant_mxfp4.py through `check_quantized_experts`; both forms (the grouped

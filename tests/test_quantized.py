@@ -1,4 +1,4 @@
-"""Quantized bases (ops/formats.py): checkpoints in the published layouts load, and
+"""Quantized bases (ops/formats): checkpoints in the published layouts load, and
 serve (with adapters on top, mixed with base rows) the prompt logprobs and tokens
 transformers + PEFT give on their dequantized weights; malformed ones fail at load."""
 

@@ -46,7 +46,7 @@ QUANTIZATION_METHODS = ("mxfp4", "fp8", "compressed-tensors", "awq", "gptq")
 class QuantConfig:
     """How a checkpoint's weights are quantized (its quantization_config), or that a
     bf16 checkpoint is quantized as it loads (`--quantization fp8`). Every layer not
-    skipped holds its weight in `format` (ops/formats.py); models/quant.py converts the
+    skipped holds its weight in `format` (ops/formats); models/quant.py converts the
     checkpoint's tensors to it."""
 
     method: str  # a QUANTIZATION_METHODS entry

@@ -3,7 +3,7 @@
 A `LoRALinear` fuses several projections that read the same input (q/k/v, gate/up) into
 one matmul with output slices; each slice keeps its Hugging Face / PEFT module name, so
 checkpoints and adapters address slices by those names. Its weight is a tensor or a
-quantized weight (ops/formats.py; the base matmul is ops.linear either way); its adapter
+quantized weight (ops/formats; the base matmul is ops.linear either way); its adapter
 slots (`lora`, a LoRAWeights) are allocated and filled by adapters/slots.py.
 
 Inside `weights_deferred()` the weights of LoRALinear and Experts are made on the meta

@@ -25,7 +25,7 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
-        # Tensors, or quantized weights (ops/formats.py) of these shapes.
+        # Tensors, or quantized weights (ops/formats) of these shapes.
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=weight_device()), False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=weight_device()), False)
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i), False) if bias else None

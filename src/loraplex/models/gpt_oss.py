@@ -11,7 +11,7 @@ interleaved (gate = columns 0::2, up = 1::2, biases likewise); `checkpoint_trans
 turns them into loraplex's [E, 2I, H] (gate rows, then up rows) and [E, H, I] on load.
 The published MXFP4 checkpoint (gpt-oss-20b, -120b) stores the experts' blocks and
 scales untransposed ([E, out, in / 32, 16] and [E, out, in / 32]), gate_up's rows
-interleaved alike: they are only de-interleaved here (models/quant_mxfp4.py takes them).
+interleaved alike: they are only de-interleaved here (ops/formats/mxfp4.py takes them).
 """
 
 from __future__ import annotations

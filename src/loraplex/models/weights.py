@@ -24,8 +24,8 @@ from loraplex.errors import ModelLoadError
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts
 from loraplex.layers.parallel import Shard
-from loraplex.models.quant import ingest, init_quantized
 from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats.checkpoint import ingest, init_quantized
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -64,7 +64,7 @@ Weight = torch.Tensor | QuantizedWeight
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics: x @ W.T + bias, W [N, K] a tensor or a quantized weight read as
-    dequantize(W) (ops/formats.py): activations are not quantized. x [T, K] -> [T, N]."""
+    dequantize(W) (ops/formats): activations are not quantized. x [T, K] -> [T, N]."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     return _impl.quant_linear(x, weight, bias)
@@ -72,7 +72,7 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """Semantics: the weight a quantized one stands for, [..., N, K] in weight.dtype (each
-    format's formula in ops/formats.py)."""
+    format's formula in ops/formats)."""
     return _impl.dequantize(weight)
 
 

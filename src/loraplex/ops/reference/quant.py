@@ -1,6 +1,6 @@
 """Quantized weights in plain torch: dequantization (the oracle of every quantized
 kernel), the matmul through it, and the quantizers random weights and
-`--quantization fp8` use. Formats and layouts: ops/formats.py."""
+`--quantization fp8` use. Formats and layouts: ops/formats."""
 
 from __future__ import annotations
 

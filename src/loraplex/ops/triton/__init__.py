@@ -64,7 +64,7 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """ops.linear of a quantized weight: one kernel per format (ops/formats.py)."""
+    """ops.linear of a quantized weight: one kernel per format (ops/formats)."""
     if isinstance(w, Fp8Weight):
         return fp8_linear(x, w, bias)
     if isinstance(w, Int4Weight):

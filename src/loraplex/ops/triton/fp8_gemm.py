@@ -1,7 +1,7 @@
 """Dense GEMM of an FP8 weight, dequantized in registers:
 y[t, n] = sum_k x[t, k] * Wd[n, k] + bias[n], Wd = dequantize(W) (ops.linear's semantics).
 
-W is an Fp8Weight (ops/formats.py): e4m3 data [N, K] and float32 scale [N, ceil(K /
+W is an Fp8Weight (ops/formats): e4m3 data [N, K] and float32 scale [N, ceil(K /
 block_k)] (block_k 128 for block-scaled checkpoints and load-time quantization, K per
 channel). Each W element is read once per program as its byte, widened to float32,
 multiplied by its scale and rounded as ops.dequantize rounds it (to the weight's dtype,

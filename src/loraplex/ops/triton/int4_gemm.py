@@ -1,4 +1,4 @@
-"""W4A16 GEMM of an int4 weight (ops/formats.py Int4Weight: AWQ, GPTQ).
+"""W4A16 GEMM of an int4 weight (ops/formats Int4Weight: AWQ, GPTQ).
 
 Semantics: out[t, n] = sum_k x[t, k] W[n, k] + bias[n], W[n, k] = (q[n, k] - zero[n, k //
 G]) * scale[n, k // G] computed in float32 and rounded once to w.dtype (then x's dtype),

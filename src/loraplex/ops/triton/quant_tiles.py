@@ -1,5 +1,5 @@
 """Quantized weight tiles dequantized in registers, for the kernels that read a
-QuantizedWeight's bytes (ops/formats.py): the values ops.dequantize gives, bit for bit.
+QuantizedWeight's bytes (ops/formats): the values ops.dequantize gives, bit for bit.
 
 `mxfp4_cols` / `fp8_cols` give one K step of W.T, [BLOCK_K, N] (as gemm_tiles.col_tile
 does for a plain weight), from `cols` [1, N] pointers to the weight's rows and

@@ -1,4 +1,4 @@
-"""MXFP4 checkpoint tensors -> loraplex's canonical Mxfp4Weight (ops/formats.py).
+"""MXFP4 checkpoint tensors -> loraplex's canonical Mxfp4Weight (ops/formats).
 
 gpt-oss publishes its experts (and only them) in OCP MXFP4, one whole stack per tensor:
 
@@ -23,8 +23,8 @@ import torch
 
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
-from loraplex.models.quant import _expect
 from loraplex.ops.formats import MXFP4_BLOCK, Mxfp4Weight
+from loraplex.ops.formats.checkpoint import _expect
 
 E8M0_NAN = 255
 _BYTES_PER_BLOCK = MXFP4_BLOCK // 2

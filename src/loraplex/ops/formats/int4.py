@@ -1,4 +1,4 @@
-"""AWQ and GPTQ int4 checkpoints -> Int4Weight's canonical buffers (ops/formats.py: data
+"""AWQ and GPTQ int4 checkpoints -> Int4Weight's canonical buffers (ops/formats: data
 uint8 [N, K / 2], k = 2j in byte j's low nibble; scale and zero [N, K / G]; W[n, k] =
 (q - zero) * scale).
 
@@ -30,8 +30,8 @@ import torch
 
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
-from loraplex.models.quant import _expect, _finite_scales
 from loraplex.ops.formats import Int4Weight
+from loraplex.ops.formats.checkpoint import _expect, _finite_scales
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_UNDO = tuple(AWQ_ORDER.index(j) for j in range(8))  # column 8c + j is value AWQ_UNDO[j]

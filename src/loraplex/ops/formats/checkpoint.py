@@ -1,0 +1,144 @@
+"""Checkpoint tensors -> loraplex's canonical quantized weights (ops/formats): an empty
+weight of a format (`new_weight`), random weights at trained scale (`init_quantized`),
+and `ingest`, which writes one published checkpoint tensor (FP8 block-scaled or
+compressed-tensors here; AWQ / GPTQ in formats/int4.py; MXFP4 in formats/mxfp4.py) into
+its part of a weight, checking shape, dtype and scales. Serving's loader
+(models/weights.py) and training on a quantized base (train/quantized.py) both read
+checkpoints through it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from loraplex.config import QuantConfig
+from loraplex.errors import ModelLoadError
+from loraplex.ops.formats import Fp8Weight, Int4Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.reference.quant import quantize
+
+# The checkpoint tensors (name suffixes) that mark a layer as quantized, per method.
+QUANTIZED_MARKS = {
+    "fp8": ("weight_scale_inv",),
+    "compressed-tensors": ("weight_scale",),
+    "awq": ("qweight",),
+    "gptq": ("qweight",),
+    "mxfp4": ("_blocks",),
+}
+
+
+
+def new_weight(quant: QuantConfig, shape: tuple[int, ...], dtype: torch.dtype, device) -> QuantizedWeight:
+    """An empty weight of logical `shape` in quant's format."""
+    if quant.format == "fp8":
+        block_k = quant.weight_block[1] or shape[-1]
+        return Fp8Weight(shape, block_k, dtype, device)
+    if quant.format == "int4":  # (random weights of a small model: a group per row)
+        k = shape[-1]
+        return Int4Weight(shape, quant.group_size if k % quant.group_size == 0 else k, dtype, device)
+    return Mxfp4Weight(shape, dtype, device)
+
+
+def init_quantized(w: QuantizedWeight, std: float, gen: torch.Generator) -> None:
+    """Random weights at trained scale: N(0, std) quantized into w's format, in row
+    chunks (a bf16 copy of a whole expert stack would not fit beside the model)."""
+    rows = w.data.view(-1, w.data.shape[-1]).shape[0]
+    k = w.shape[-1]
+    flat = {name: t.view(rows, t.shape[-1]) for name, t in w.named_buffers(recurse=False)}
+    chunk = max(1, (64 << 20) // (4 * k))
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        values = torch.empty(r1 - r0, k, dtype=torch.float32, device=w.device)
+        values.normal_(0.0, std, generator=gen)
+        quantize(_view(w, {name: t[r0:r1] for name, t in flat.items()}), values)
+
+
+def _view(w: QuantizedWeight, buffers: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """A weight of w's format over other tensors (views of w's), for writing parts of w."""
+    view = object.__new__(type(w))
+    nn.Module.__init__(view)
+    view.__dict__.update({k: v for k, v in w.__dict__.items() if not k.startswith("_")})
+    for name, t in buffers.items():
+        view.register_buffer(name, t)
+    return view
+
+
+# -- checkpoint tensors -> canonical buffers ----------------------------------------------
+
+def ingest(w: QuantizedWeight, quant: QuantConfig, kind: str, tensor: torch.Tensor,
+           index: tuple, name: str) -> tuple[str, ...]:
+    """Write the checkpoint tensor `name` (its last part `kind`) into w at `index` (the
+    leading indices and the row slice of one checkpoint module in w); returns the buffers
+    it filled (none for a tensor this format stores nowhere). Raises ModelLoadError for a
+    tensor of the wrong shape, dtype or values."""
+    part = _view(w, {b: t[index] for b, t in w.named_buffers(recurse=False)})
+    if quant.online:  # a bf16 checkpoint quantized as it loads
+        if kind != "weight":
+            return ()
+        _expect(name, tensor, part.shape)
+        quantize(part, tensor)
+        return tuple(b for b, _ in part.named_buffers(recurse=False))
+    if isinstance(w, Fp8Weight):
+        return _ingest_fp8(part, quant, kind, tensor, name)
+    if isinstance(w, Int4Weight):  # AWQ, GPTQ
+        from loraplex.ops.formats.int4 import ingest_int4
+
+        return ingest_int4(part, quant, kind, tensor, name)
+    from loraplex.ops.formats.mxfp4 import ingest_mxfp4
+
+    return ingest_mxfp4(part, quant, kind, tensor, name)
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected {dtype}")
+
+
+def _finite_scales(name: str, scale: torch.Tensor) -> None:
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise ModelLoadError(f"{name}: scales must be finite and positive")
+
+
+def _ingest_fp8(w: Fp8Weight, quant: QuantConfig, kind: str, tensor: torch.Tensor,
+                name: str) -> tuple[str, ...]:
+    """fp8 (DeepSeek / Qwen block-scaled): `weight` e4m3 and `weight_scale_inv` [ceil(n /
+    bn), ceil(k / bk)]. compressed-tensors (llm-compressor's float-quantized FP8, as
+    compressed_tensors' initialize_qparams shapes them): `weight` e4m3 and `weight_scale`
+    [n, 1] (strategy channel) or [1] (tensor) in the original weight's float dtype; a
+    `weight_zero_point` (symmetric checkpoints of older versions) must be all zero."""
+    data, scale = w.data, w.scale
+    n, k = data.shape[-2:]
+    if kind == "weight":
+        _expect(name, tensor, data.shape, torch.float8_e4m3fn)
+        data.copy_(tensor)
+        return ("data",)
+    if quant.method == "fp8":
+        if kind == "weight_scale_inv":  # [ceil(n / bn), ceil(k / bk)] blocks: one scale per row here
+            bn, bk = quant.weight_block
+            _expect(name, tensor, (*data.shape[:-2], math.ceil(n / bn), math.ceil(k / bk)))
+            _finite_scales(name, tensor)
+            scale.copy_(tensor.float().repeat_interleave(bn, dim=-2)[..., :n, :])
+            return ("scale",)
+        return ()
+    # compressed-tensors: per channel (weight_block (1, 0)) or per tensor ((0, 0)); the
+    # weight's scale columns are one (block_k = K).
+    per_channel = quant.weight_block == (1, 0)
+    shape = (*data.shape[:-2], n, 1) if per_channel else (1,)
+    if kind == "weight_scale":
+        _expect(name, tensor, shape)
+        if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected a float dtype")
+        _finite_scales(name, tensor)
+        scale.copy_(tensor.float().reshape(*data.shape[:-2], -1, 1).expand(scale.shape))
+        return ("scale",)
+    if kind == "weight_zero_point":
+        _expect(name, tensor, shape)
+        if (tensor.float() != 0).any():
+            raise ModelLoadError(f"{name}: nonzero zero points in a symmetric checkpoint")
+        return ()
+    raise ModelLoadError(f"{name}: not a tensor of compressed-tensors FP8 checkpoints "
+                         "(weight, weight_scale)")
