@@ -20,6 +20,9 @@ import torch
 from torch import nn
 
 from loraplex.train.moe import CombineByToken, ExpertProjection, GatedDown, SortedPairs, sort_pairs
+from loraplex.train.quantized import FrozenWeight, QuantizedLinear
+
+LINEAR_TYPES = (nn.Linear, QuantizedLinear)  # a quantized base's projections (train/quantized.py)
 
 # Attention projections by name: the usual four, and DeepSeek's latent attention (q_proj or
 # q_a_proj / q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj).
@@ -48,7 +51,7 @@ def _init_a(a: torch.Tensor) -> None:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, spec: LoRASpec):
+    def __init__(self, base: nn.Linear | QuantizedLinear, spec: LoRASpec):
         super().__init__()
         self.base_layer, self.scale = base, spec.scale
         dev = base.weight.device
@@ -62,8 +65,8 @@ class LoRALinear(nn.Module):
 
 
 def is_experts(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
-               for p in EXPERT_PARAMS)
+    return all(isinstance(getattr(module, p, None), nn.Parameter | FrozenWeight)
+               and len(getattr(module, p).shape) == 3 for p in EXPERT_PARAMS)
 
 
 def _is_silu_gate(experts: nn.Module) -> bool:
@@ -79,13 +82,14 @@ def _is_silu_gate(experts: nn.Module) -> bool:
 class LoRAExperts(nn.Module):
     """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights)."""
 
-    def __init__(self, base: nn.Module, spec: LoRASpec, backend: str = "loop"):
+    def __init__(self, base: nn.Module, spec: LoRASpec | None, backend: str = "loop"):
         super().__init__()
-        self.base_layer, self.scale, self.backend = base, spec.scale, backend
+        self.base_layer, self.backend = base, backend
+        self.scale = spec.scale if spec is not None else 0.0  # None: the base alone (quantized experts)
         self.transposed = bool(getattr(base, "is_transposed", False))
         self.num_experts = base.gate_up_proj.shape[0]
         self.silu_gate = _is_silu_gate(base)
-        for p in EXPERT_PARAMS:
+        for p in EXPERT_PARAMS if spec is not None else ():
             e, in_f, out_f = self.in_out(p)
             dev = getattr(base, p).device
             a = nn.Parameter(torch.empty(e, spec.rank, in_f, device=dev))
@@ -98,10 +102,16 @@ class LoRAExperts(nn.Module):
         return (e, d1, d2) if self.transposed else (e, d2, d1)
 
     def _factors(self, param: str):
-        """The base weight [E, in, out] and the LoRA factors A [E, in, r], B [E, r, out]
-        (float32 parameters, as views) of one projection."""
+        """The base weight [E, in, out] (a quantized one: a callable that makes it) and the
+        LoRA factors A [E, in, r], B [E, r, out] (float32 parameters, as views) of one
+        projection."""
         w = getattr(self.base_layer, param)
-        w = w if self.transposed else w.transpose(1, 2)
+        if isinstance(w, FrozenWeight):
+            w = w if self.transposed else (lambda stack=w: stack().transpose(1, 2))
+        else:
+            w = w if self.transposed else w.transpose(1, 2)
+        if not hasattr(self, f"{param}_A"):
+            return w, None, None
         return w, getattr(self, f"{param}_A").transpose(1, 2), getattr(self, f"{param}_B").transpose(1, 2)
 
     def _project(self, x, param: str, pairs: SortedPairs, gather: bool = False) -> torch.Tensor:
@@ -126,7 +136,7 @@ class LoRAExperts(nn.Module):
 def default_targets(model: nn.Module) -> tuple[str, ...]:
     """Every linear projection of attention and MLP the model has; on an MoE model
     attention + experts."""
-    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    present = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LINEAR_TYPES)}
     attention = tuple(t for t in ATTENTION_TARGETS if t in present)
     if any(is_experts(m) for m in model.modules()):
         return (*attention, "experts")
@@ -148,7 +158,7 @@ def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> 
                          "experts; target 'experts' (attention and experts train, dense MLPs stay frozen)")
     wrapped: dict[str, nn.Module] = {}
     for name, module in list(model.named_modules()):
-        if name.rsplit(".", 1)[-1] in linear and isinstance(module, nn.Linear):
+        if name.rsplit(".", 1)[-1] in linear and isinstance(module, LINEAR_TYPES):
             wrapped[name] = LoRALinear(module, spec)
         elif "experts" in spec.targets and is_experts(module):
             wrapped[name] = LoRAExperts(module, spec, moe_backend)
@@ -157,7 +167,11 @@ def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> 
         hit.add("experts")
     if set(spec.targets) - hit:
         raise ValueError(f"LoRA targets {sorted(set(spec.targets) - hit)} match nothing in this model")
-    for name, wrapper in wrapped.items():
+    # A quantized base's experts not trained still run through LoRAExperts (transformers'
+    # experts cannot read a FrozenWeight): the base alone, not among the wrapped.
+    frozen = {name: LoRAExperts(m, None, moe_backend) for name, m in model.named_modules()
+              if name not in wrapped and is_experts(m) and isinstance(m.gate_up_proj, FrozenWeight)}
+    for name, wrapper in {**wrapped, **frozen}.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, wrapper)
     return wrapped

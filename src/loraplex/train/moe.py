@@ -147,10 +147,18 @@ def project_backward(g, xs, w, a, b, xa, scale: float, groups: Groups, backend: 
     return gx, ga, gb
 
 
+def frozen(w) -> torch.Tensor:
+    """A frozen base weight: a tensor, or a callable that makes it (a quantized base's
+    stack, dequantized on each use: train/quantized.py). The expert functions save the
+    callable, not what it made, and call it again in their backward."""
+    return w if isinstance(w, torch.Tensor) else w()
+
+
 class ExpertProjection(torch.autograd.Function):
     """`project` as an autograd function, x's rows gathered by `pairs` if given.
 
-    x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen; a
+    x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen (or
+    a callable that makes it: `frozen`); a
     [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only), in any
     dtype: cast to x's here, their gradients returned in theirs (no cast nodes). Gradients:
     x, a, b; never w. With pairs, backward keeps x, not the gathered [N, K] copy (top_k
@@ -162,14 +170,16 @@ class ExpertProjection(torch.autograd.Function):
                 pairs: SortedPairs | None = None):
         ctx.pairs, ctx.dtypes = pairs, (None if a is None else (a.dtype, b.dtype))
         a, b = (None, None) if a is None else (a.to(x.dtype), b.to(x.dtype))
-        y, xa = project(x if pairs is None else x[pairs.tokens], w, a, b, scale, groups, backend)
-        ctx.save_for_backward(x, w, a, b, xa)
+        y, xa = project(x if pairs is None else x[pairs.tokens], frozen(w), a, b, scale, groups, backend)
+        ctx.weight = None if isinstance(w, torch.Tensor) else w
+        ctx.save_for_backward(x, w if ctx.weight is None else None, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
         return y
 
     @staticmethod
     def backward(ctx, g):
         x, w, a, b, xa = ctx.saved_tensors
+        w = w if ctx.weight is None else ctx.weight()
         pairs = ctx.pairs
         need = ctx.needs_input_grad
         gx, ga, gb = project_backward(g.contiguous(), (lambda: x[pairs.tokens]) if pairs else x, w, a, b, xa,
@@ -187,8 +197,9 @@ class GatedDown(torch.autograd.Function):
     and each token's rows summed back onto it.
 
     gate_up [P, 2I] sorted rows; top_k_weights [T, top_k] (read through the pairs' order
-    inside the activation kernels: no gather, no scatter-add backward); w [E, I, H]; a, b
-    the down projection's LoRA factors (any dtype, as ExpertProjection). One node where
+    inside the activation kernels: no gather, no scatter-add backward); w [E, I, H] (or
+    a callable: `frozen`); a, b the down projection's LoRA factors (any dtype, as
+    ExpertProjection; None: the base alone). One node where
     eager autograd makes ~10 (casts, gather, index backward, activation, combine): at 1K
     tokens a step is bound by the host's cost per op. Two nodes per layer (this and the
     gate/up ExpertProjection) rather than one: autograd frees this node's activations
@@ -196,18 +207,20 @@ class GatedDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, top_k_weights, w, a, b, scale: float, pairs: SortedPairs, backend: str):
-        ctx.dtypes = (a.dtype, b.dtype)
-        a, b = a.to(gate_up.dtype), b.to(gate_up.dtype)
+        ctx.dtypes = None if a is None else (a.dtype, b.dtype)
+        a, b = (None, None) if a is None else (a.to(gate_up.dtype), b.to(gate_up.dtype))
         weights = top_k_weights.reshape(-1).contiguous()
         h = ops.backend_for(gate_up.device).silu_mul_weighted(gate_up, weights, pairs.order)
-        y, xa = project(h, w, a, b, scale, pairs.groups, backend)
-        ctx.save_for_backward(gate_up, weights, h, xa, w, a, b)
+        y, xa = project(h, frozen(w), a, b, scale, pairs.groups, backend)
+        ctx.weight = None if isinstance(w, torch.Tensor) else w
+        ctx.save_for_backward(gate_up, weights, h, xa, w if ctx.weight is None else None, a, b)
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
         return sum_by_token(y, pairs)
 
     @staticmethod
     def backward(ctx, g):
         gate_up, weights, h, xa, w, a, b = ctx.saved_tensors
+        w = w if ctx.weight is None else ctx.weight()
         pairs, need = ctx.pairs, ctx.needs_input_grad
         g_rows = g.contiguous()[pairs.tokens]  # each row gets its token's gradient
         gh, ga, gb = project_backward(g_rows, h, w, a, b, xa, ctx.scale, pairs.groups, ctx.backend,
@@ -215,7 +228,8 @@ class GatedDown(torch.autograd.Function):
         del g_rows
         d_gate_up, d_weights = ops.backend_for(g.device).silu_mul_weighted_backward(
             gh, gate_up, weights, pairs.order)
-        ga, gb = (t if t is None else t.to(d) for t, d in zip((ga, gb), ctx.dtypes))
+        if ctx.dtypes is not None:
+            ga, gb = (t if t is None else t.to(d) for t, d in zip((ga, gb), ctx.dtypes))
         return (d_gate_up, d_weights.view(g.shape[0], -1) if need[1] else None, None, ga, gb,
                 None, None, None)
 

@@ -39,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue from a checkpoint (default: the newest in --out)")
     p.add_argument("--moe-backend", default="auto", choices=BACKENDS,
                    help="expert GEMMs: grouped_mm (CUDA bf16 default) or a per-expert loop")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="quantize a bf16 checkpoint's base to FP8 as it loads; a quantized checkpoint "
+                        "(MXFP4, FP8, AWQ, GPTQ) trains on its own format without this flag")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--no-progress", dest="progress", action="store_false")

@@ -25,6 +25,7 @@ from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpo
 from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
 from loraplex.train.loss import chunked_loss_sum
 from loraplex.train.moe import resolve_backend
+from loraplex.train.quantized import is_quantized_checkpoint, load_quantized_base
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
 
@@ -53,6 +54,9 @@ class TrainConfig:
     save_steps: int = 200
     resume: str | None = None  # a checkpoint dir, or "latest" (in `out`)
     moe_backend: str = "auto"
+    # A bf16 checkpoint's base quantized as it loads ("fp8"); a quantized checkpoint
+    # (quantization_config) trains on its own format either way (train/quantized.py).
+    quantization: str | None = None
     # A micro-batch's examples as one row (data.pack), no padding: None packs where the
     # model bounds packed examples' attention (packing_supported), True insists.
     packing: bool | None = None
@@ -94,6 +98,30 @@ def _schedule(cfg: TrainConfig, total: int):
     return factor
 
 
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; on a GPU its fused kernel (no per-step temporaries the size of the LoRA
+    tensors, which the foreach default allocates: memory a quantized base's step lacks)."""
+    fused = params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+
+
+def training_attention(model_dir: str, device: torch.device) -> str | None:
+    """transformers' attention implementation to train with: its default (SDPA where the
+    model takes it), but FlexAttention on a GPU for models whose only other choice is
+    eager attention (gpt-oss: sinks), which would hold [heads, tokens, tokens] scores
+    (64 x 4K x 4K floats a layer at 4K tokens). Flex keeps the sliding windows as block
+    masks and adds the sinks through the log-sum-exp."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if device.type != "cuda":
+        return None
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None or getattr(cls, "_supports_sdpa", True) or not getattr(cls, "_supports_flex_attn", False):
+        return None
+    return "flex_attention"
+
+
 def load_model(cfg: TrainConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,7 +129,12 @@ def load_model(cfg: TrainConfig):
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).to(device)
+    attention = training_attention(cfg.model, device)
+    if cfg.quantization or is_quantized_checkpoint(cfg.model):
+        model = load_quantized_base(cfg.model, device, dtype, cfg.quantization, attn_implementation=attention)
+    else:
+        kwargs = {"attn_implementation": attention} if attention else {}
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **kwargs).to(device)
     model.config.use_cache = False
     return model, AutoTokenizer.from_pretrained(cfg.model)
 
@@ -152,7 +185,7 @@ def train(cfg: TrainConfig) -> list[float]:
     micro_total = per_epoch * cfg.epochs
     total = math.ceil(micro_total / cfg.grad_accum)
     total = min(total, cfg.max_steps) if cfg.max_steps else total
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(params, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(cfg, total))
     fingerprint = {k: v for k, v in asdict(cfg).items() if k not in _RESUMABLE_CHANGES}
     step = 0

@@ -9,12 +9,12 @@ import torch
 from loraplex.ops import reference
 from loraplex.ops.formats import Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
-from loraplex.ops.reference.quant import dequantize
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
+from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
-from loraplex.ops.triton.int4_gemm import int4_linear
+from loraplex.ops.triton.int4_gemm import int4_dequantize, int4_linear
 from loraplex.ops.triton.kv_cache import write_kv_cache, write_latent_cache
 from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
 from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
@@ -61,6 +61,13 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
     if gate_up.shape[0] <= GEMV_MAX_TOKENS:
         return lora_act_gemv(gate_up, buf, lora_b, batch, activation)
     return lora_act_sgmv(gate_up, buf, lora_b, batch, activation)
+
+
+def dequantize(w: QuantizedWeight) -> torch.Tensor:
+    """One kernel per format (int4: 2-D weights, as dense layers hold them)."""
+    if isinstance(w, Int4Weight):
+        return int4_dequantize(w) if w.data.dim() == 2 else reference.dequantize(w)
+    return _dequantize(w)
 
 
 def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

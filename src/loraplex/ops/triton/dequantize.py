@@ -1,0 +1,67 @@
+"""ops.dequantize of MXFP4 and FP8 weights in one kernel: W [..., N, K] written in w.dtype,
+the values of the torch reference (ops/reference/quant.py) bit for bit, with no float32
+or int64 temporaries (the reference's are several times W's size: a gpt-oss-20b layer's
+gate/up stack is 0.5 G values). Training on a quantized base dequantizes a layer's weights
+this way on each use (train/quantized.py). Int4 weights have theirs (int4_gemm.py).
+
+Rows of every leading index are one [R, K] matrix; a program writes BLOCK_R rows x
+BLOCK_K columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight
+from loraplex.ops.triton.precision import INTERPRETED
+from loraplex.ops.triton.quant_tiles import fp8_values, mxfp4_values
+
+BLOCK_R, BLOCK_K = 16, 128
+
+
+@triton.jit
+def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                             UPCAST: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: k = 2j, 2j + 1
+    mask = (rows < R)[:, None] & (j < K // 2)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    data = tl.load(data_ptr + r64 * (K // 2) + j[None, :], mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + r64 * (K // 32) + (j // 16)[None, :], mask=mask, other=127).to(tl.int32)
+    low, high = mxfp4_values(data, scale, out_ptr, UPCAST)
+    out = out_ptr + r64 * K + 2 * j[None, :]
+    tl.store(out, low, mask=mask)
+    tl.store(out + 1, high, mask=mask)
+
+
+@triton.jit
+def _fp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, NUM_SCALES, BLOCK_SCALE_K: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < R)[:, None] & (k < K)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    scale = tl.load(scale_ptr + r64 * NUM_SCALES + (k // BLOCK_SCALE_K)[None, :], mask=mask, other=1.0)
+    w = fp8_values(data_ptr + r64 * K + k[None, :], scale, mask, out_ptr, UPCAST)
+    tl.store(out_ptr + r64 * K + k[None, :], w, mask=mask)
+
+
+def dequantize(w: Mxfp4Weight | Fp8Weight) -> torch.Tensor:
+    """dequantize(w) [..., N, K] in w.dtype (its buffers contiguous, as formats make them)."""
+    shape, k = w.shape, w.shape[-1]
+    out = torch.empty(shape, dtype=w.dtype, device=w.data.device)
+    rows = out.numel() // k if k else 0
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(rows, BLOCK_R), triton.cdiv(k, BLOCK_K))
+    data, scale = w.data.contiguous(), w.scale.contiguous()
+    if isinstance(w, Mxfp4Weight):
+        assert k % MXFP4_BLOCK == 0
+        _mxfp4_dequantize_kernel[grid](data, scale, out, rows, k, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K,
+                                       UPCAST=INTERPRETED)
+    else:
+        _fp8_dequantize_kernel[grid](data, scale, out, rows, k, scale.shape[-1], BLOCK_SCALE_K=w.block_k,
+                                     BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, UPCAST=INTERPRETED)
+    return out
