@@ -336,7 +336,7 @@ def test_chunked_loss_is_the_full_logits_loss(arch, model_dirs, moe_dirs, monkey
     logits, and so do the LoRA gradients."""
     from loraplex.train import loss as chunked
 
-    monkeypatch.setattr(chunked, "CHUNK_TOKENS", 7)
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 7 * 4 * VOCAB)  # 7 rows a chunk
     model, _, wrapped = _our_model(_model_dir(arch, model_dirs, moe_dirs), moe_backend="loop")
     batch = _batch()
     want, want_grads = _loss_and_grads(model, wrapped, batch)  # the model's logits

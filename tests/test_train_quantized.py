@@ -33,6 +33,15 @@ from loraplex.train.save import save_adapter
 from loraplex.train.trainer import TrainConfig, prepare
 
 
+@pytest.fixture(autouse=True)
+def _expert_slices_of_a_few_experts(monkeypatch):
+    """Expert GEMMs over quantized stacks in slices: here one gate/up matrix or three
+    down matrices of the tiny models (8 experts: uneven slices)."""
+    from loraplex.train import quantized
+
+    monkeypatch.setattr(quantized, "EXPERT_SLICE_BYTES", 3 * 8192)
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     """name -> (quantized checkpoint, dequantized twin, --quantization or None)."""
@@ -145,9 +154,14 @@ def test_quantized_weights_are_not_saved_for_backward(bases):
     top_k = torch.randint(0, stack.shape[0], (6, 2))
     pairs = sort_pairs(top_k, stack.shape[0])
     h = torch.randn(6, stack.shape[1], requires_grad=True)
-    saved = _saved_numels(lambda: ExpertProjection.apply(h, stack, None, None, 1.0, pairs.groups, "loop",
+    slices = stack.experts(transpose=True)
+    assert slices.shape == tuple(stack.shape) and slices.chunk == 1  # one expert a slice (the fixture)
+    saved = _saved_numels(lambda: ExpertProjection.apply(h, slices, None, None, 1.0, pairs.groups, "loop",
                                                          pairs))
-    assert stack().numel() not in saved
+    assert all(n < stack().numel() // stack.shape[0] for n in saved if n != h.numel())
+    want = torch.stack([h[t] @ stack()[e] for t, e in zip(pairs.tokens.tolist(), pairs.experts.tolist())])
+    got = ExpertProjection.apply(h, slices, None, None, 1.0, pairs.groups, "loop", pairs)
+    torch.testing.assert_close(got, want)
 
 
 def test_trained_adapter_serves_on_the_mxfp4_base(bases, tmp_path):

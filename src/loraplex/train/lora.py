@@ -102,12 +102,12 @@ class LoRAExperts(nn.Module):
         return (e, d1, d2) if self.transposed else (e, d2, d1)
 
     def _factors(self, param: str):
-        """The base weight [E, in, out] (a quantized one: a callable that makes it) and the
+        """The base weight [E, in, out] (a quantized one: StackSlices that make it) and the
         LoRA factors A [E, in, r], B [E, r, out] (float32 parameters, as views) of one
         projection."""
         w = getattr(self.base_layer, param)
-        if isinstance(w, FrozenWeight):
-            w = w if self.transposed else (lambda stack=w: stack().transpose(1, 2))
+        if isinstance(w, FrozenWeight):  # canonical [E, out, in] -> [E, in, out]
+            w = w.experts(transpose=True)
         else:
             w = w if self.transposed else w.transpose(1, 2)
         if not hasattr(self, f"{param}_A"):

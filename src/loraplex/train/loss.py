@@ -9,16 +9,21 @@ import torch
 
 from loraplex.train.data import IGNORE
 
-CHUNK_TOKENS = 4096  # rows of float32 logits at a time (4096 x 201K x 4 bytes = 3.3 GB at most)
+# Float32 logits per chunk: a chunk's rows are this over 4 x vocab (gpt-oss's 201K: 333
+# rows; a step's peak holds ~3 such tensors). 4,096 rows of 201K had made a 4K-token
+# step of gpt-oss-20b peak 11 GiB over its weights.
+CHUNK_BYTES = 256 << 20
 
 
 def chunked_loss_sum(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
-                     softcap: float | None = None, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                     softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """sum over t of -log softmax(logits[t])[labels[t + 1]] (labels IGNORE skipped), with
     logits = hidden @ head^T in float32 (then softcap * tanh(. / softcap) if given).
-    hidden [B, T, H], head [V, H], labels [B, T]."""
+    hidden [B, T, H], head [V, H], labels [B, T]; `chunk` rows at a time (default: by
+    CHUNK_BYTES)."""
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = labels[:, 1:].reshape(-1)
+    chunk = chunk or max(1, CHUNK_BYTES // (4 * head.shape[0]))
     return _ChunkedLoss.apply(h, head, targets, softcap, chunk)
 
 
@@ -58,5 +63,8 @@ class _ChunkedLoss(torch.autograd.Function):
             p[torch.arange(len(p), device=p.device), t[keep]] -= 1.0  # d loss / d logits
             if softcap is not None:  # through softcap * tanh(z / softcap)
                 p *= 1 - torch.tanh(z / softcap) ** 2
-            grad_h[a:a + chunk][keep] = ((p * grad) @ head.float()).to(h.dtype)
+            del z
+            # In the head's dtype (float32 accumulation): no float32 copy of the head
+            # (2.3 GB for gpt-oss), as autograd through bf16 logits would compute it.
+            grad_h[a:a + chunk][keep] = (p.mul_(grad).to(head.dtype) @ head).to(h.dtype)
         return grad_h, None, None, None, None

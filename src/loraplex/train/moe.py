@@ -23,6 +23,7 @@ the routing weight (forward and backward), and the sum of each token's rows.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,41 @@ def _grouped(fn, key: tuple):
         return None
 
 
-def gmm(x: torch.Tensor, w: torch.Tensor, groups: Groups, backend: str) -> torch.Tensor:
+@dataclass
+class StackSlices:
+    """A frozen expert stack [E, K, M] that is made a slice of experts at a time (a
+    quantized base's, dequantized: train/quantized.py): `make(e0, e1)` gives experts
+    e0..e1 - 1. gmm multiplies `chunk` experts at a time, so that only their weights
+    exist at once (a gpt-oss-20b layer's whole gate/up stack is 1 GB in bf16)."""
+
+    make: Callable[[int, int], torch.Tensor]
+    shape: tuple[int, int, int]
+    chunk: int
+
+    def transpose(self, d0: int, d1: int) -> StackSlices:
+        assert (d0, d1) == (1, 2)
+        e, k, m = self.shape
+        return StackSlices(lambda e0, e1: self.make(e0, e1).transpose(1, 2), (e, m, k), self.chunk)
+
+
+def _gmm_slices(x: torch.Tensor, w: StackSlices, groups: Groups, backend: str) -> torch.Tensor:
+    """gmm over a StackSlices: the row blocks of each slice of experts (the ends read on
+    the host, once per layer), experts without rows never made."""
+    ends, num_experts = groups.ends, w.shape[0]
+    out = x.new_empty(x.shape[0], w.shape[2])
+    for e0 in range(0, num_experts, w.chunk):
+        e1 = min(e0 + w.chunk, num_experts)
+        r0, r1 = (ends[e0 - 1] if e0 else 0), ends[e1 - 1]
+        if r1 > r0:
+            part = Groups(groups.offsets[e0:e1] - r0, [end - r0 for end in ends[e0:e1]])
+            out[r0:r1] = gmm(x[r0:r1], w.make(e0, e1), part, backend)
+    return out
+
+
+def gmm(x: torch.Tensor, w: torch.Tensor | StackSlices, groups: Groups, backend: str) -> torch.Tensor:
     """x [N, K] in row blocks by expert, w [E, K, M] (any strides) -> [N, M]: block e @ w[e]."""
+    if isinstance(w, StackSlices):
+        return _gmm_slices(x, w, groups, backend)
     if backend == "grouped_mm":
         key = ("gmm", x.dtype, x.shape[1], w.shape[2], w.stride())
         out = _grouped(lambda: _grouped_mm_op()(x, w, offs=groups.offsets), key)
@@ -147,18 +181,11 @@ def project_backward(g, xs, w, a, b, xa, scale: float, groups: Groups, backend: 
     return gx, ga, gb
 
 
-def frozen(w) -> torch.Tensor:
-    """A frozen base weight: a tensor, or a callable that makes it (a quantized base's
-    stack, dequantized on each use: train/quantized.py). The expert functions save the
-    callable, not what it made, and call it again in their backward."""
-    return w if isinstance(w, torch.Tensor) else w()
-
-
 class ExpertProjection(torch.autograd.Function):
     """`project` as an autograd function, x's rows gathered by `pairs` if given.
 
-    x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen (or
-    a callable that makes it: `frozen`); a
+    x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen (a
+    tensor, or StackSlices: saved as such, its slices made again in backward); a
     [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only), in any
     dtype: cast to x's here, their gradients returned in theirs (no cast nodes). Gradients:
     x, a, b; never w. With pairs, backward keeps x, not the gathered [N, K] copy (top_k
@@ -170,8 +197,8 @@ class ExpertProjection(torch.autograd.Function):
                 pairs: SortedPairs | None = None):
         ctx.pairs, ctx.dtypes = pairs, (None if a is None else (a.dtype, b.dtype))
         a, b = (None, None) if a is None else (a.to(x.dtype), b.to(x.dtype))
-        y, xa = project(x if pairs is None else x[pairs.tokens], frozen(w), a, b, scale, groups, backend)
-        ctx.weight = None if isinstance(w, torch.Tensor) else w
+        y, xa = project(x if pairs is None else x[pairs.tokens], w, a, b, scale, groups, backend)
+        ctx.weight = None if isinstance(w, torch.Tensor) else w  # StackSlices: made again in backward
         ctx.save_for_backward(x, w if ctx.weight is None else None, a, b, xa)
         ctx.scale, ctx.groups, ctx.backend = scale, groups, backend
         return y
@@ -179,7 +206,7 @@ class ExpertProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w, a, b, xa = ctx.saved_tensors
-        w = w if ctx.weight is None else ctx.weight()
+        w = w if ctx.weight is None else ctx.weight
         pairs = ctx.pairs
         need = ctx.needs_input_grad
         gx, ga, gb = project_backward(g.contiguous(), (lambda: x[pairs.tokens]) if pairs else x, w, a, b, xa,
@@ -198,7 +225,7 @@ class GatedDown(torch.autograd.Function):
 
     gate_up [P, 2I] sorted rows; top_k_weights [T, top_k] (read through the pairs' order
     inside the activation kernels: no gather, no scatter-add backward); w [E, I, H] (or
-    a callable: `frozen`); a, b the down projection's LoRA factors (any dtype, as
+    StackSlices, as ExpertProjection); a, b the down projection's LoRA factors (any dtype, as
     ExpertProjection; None: the base alone). One node where
     eager autograd makes ~10 (casts, gather, index backward, activation, combine): at 1K
     tokens a step is bound by the host's cost per op. Two nodes per layer (this and the
@@ -211,7 +238,7 @@ class GatedDown(torch.autograd.Function):
         a, b = (None, None) if a is None else (a.to(gate_up.dtype), b.to(gate_up.dtype))
         weights = top_k_weights.reshape(-1).contiguous()
         h = ops.backend_for(gate_up.device).silu_mul_weighted(gate_up, weights, pairs.order)
-        y, xa = project(h, frozen(w), a, b, scale, pairs.groups, backend)
+        y, xa = project(h, w, a, b, scale, pairs.groups, backend)
         ctx.weight = None if isinstance(w, torch.Tensor) else w
         ctx.save_for_backward(gate_up, weights, h, xa, w if ctx.weight is None else None, a, b)
         ctx.scale, ctx.pairs, ctx.backend = scale, pairs, backend
@@ -220,7 +247,7 @@ class GatedDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         gate_up, weights, h, xa, w, a, b = ctx.saved_tensors
-        w = w if ctx.weight is None else ctx.weight()
+        w = w if ctx.weight is None else ctx.weight
         pairs, need = ctx.pairs, ctx.needs_input_grad
         g_rows = g.contiguous()[pairs.tokens]  # each row gets its token's gradient
         gh, ga, gb = project_backward(g_rows, h, w, a, b, xa, ctx.scale, pairs.groups, ctx.backend,

@@ -37,6 +37,7 @@ from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.formats.checkpoint import QUANTIZED_MARKS, _view, ingest, init_quantized, new_weight
 from loraplex.ops.reference.quant import dequantize
+from loraplex.train.moe import StackSlices
 
 # Projections a load-time or random quantization covers (routers, embeddings and the
 # head stay in the model's dtype, as serving keeps them).
@@ -45,6 +46,9 @@ QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_
 EXPERT_STACKS = ("gate_up_proj", "down_proj")
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\."
                          r"(?P<kind>\w+)$")
+# Bytes of dequantized experts an expert GEMM makes at once (gpt-oss-20b: 8 of a layer's
+# 32 gate/up matrices).
+EXPERT_SLICE_BYTES = 256 << 20
 # Values the CPU dequantizes at once (float32 temporaries of a few times this many bytes).
 _DEQUANT_CHUNK = 1 << 22
 
@@ -86,6 +90,21 @@ class FrozenWeight(nn.Module):
             part = _view(w, {name: t[r0: r0 + step] for name, t in flat.items()})
             rows[r0: r0 + step] = dequantize(part)
         return out.transpose(-1, -2) if self.transposed else out
+
+
+    def experts(self, transpose: bool) -> StackSlices:
+        """An expert stack as the expert functions read it (train/moe.py StackSlices):
+        experts made a slice at a time, [E, K, N] (canonical [E, N, K] transposed) if
+        `transpose`, about EXPERT_SLICE_BYTES of them at once."""
+        w = self.qweight
+        e, n, k = w.shape
+
+        def make(e0: int, e1: int) -> torch.Tensor:
+            part = FrozenWeight(_view(w, {b: t[e0:e1] for b, t in w.named_buffers(recurse=False)}))()
+            return part.transpose(1, 2) if transpose else part
+
+        chunk = max(1, EXPERT_SLICE_BYTES // (n * k * w.dtype.itemsize))
+        return StackSlices(make, (e, k, n) if transpose else (e, n, k), chunk)
 
 
 class _FrozenMatmul(torch.autograd.Function):
