@@ -6,7 +6,7 @@
 # Usage: OUT=results_dir bash benchmarks/gpu_session.sh [STEP ...]   (default: tests kernels profile bench)
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
-#        adapter-load interference slot-load | train-moe train-quant train-breakdown train-profile |
+#        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant | spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
@@ -173,11 +173,15 @@ for step in $STEPS; do
       run train-moe 200 train_moe --layers 2 --seq-lens 1024 4096 16384 --repeats 10 --out "$OUT/train-moe.json" | tail -8
       run train-moe-only 200 train_moe --layers 2 --seq-lens 1024 4096 16384 --moe-only --repeats 15 \
         --out "$OUT/train-moe-only.json" | tail -8 ;;
-    train-quant)  # RESULTS: "Training on a quantized base" (gpt-oss-20b from MXFP4: peak memory, step time)
-      run train-quant 400 train_quantized --model gpt-oss-20b --quantization mxfp4 --seq-lens ${SEQ:-1024 4096} \
+    train-quant)  # RESULTS: "Training whole models" (gpt-oss-20b from MXFP4: peak memory, step time)
+      run train-quant 400 train_model --model gpt-oss-20b --quantization mxfp4 --seq-lens ${SEQ:-1024 4096} \
         --rank ${RANK:-16} --out "$OUT/train-quant.json"
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 300 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_train_quantized.py 2>&1 | tail -3 ;;
+        tests/test_train_quantized.py --tb=short > "$OUT/train-quant-tests.log" 2>&1
+      grep -E "^(FAILED|ERROR|E  )" "$OUT/train-quant-tests.log" | head -20; tail -1 "$OUT/train-quant-tests.log" ;;
+    train-gpt-oss)  # RESULTS: "Training whole models" (gpt-oss-20b bf16, loraplex vs transformers + PEFT)
+      run train-gpt-oss 500 train_model --model gpt-oss-20b --quantization none --peft --repeats 2 \
+        --seq-lens ${SEQ:-4096 16384} --out "$OUT/train-gpt-oss.json" ;;
     train-breakdown)  # one MoE layer's primitives at 16K tokens, eager vs fused kernels
       run train-breakdown 200 train_moe --breakdown --seq-lens ${SEQ:-16384} | tail -30 ;;
     train-profile)  # kernel tables of the MoE-only step at 16K tokens, loraplex and PEFT

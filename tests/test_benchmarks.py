@@ -20,7 +20,7 @@ BENCH = ROOT / "benchmarks"
 SCRIPTS = ("adapter_load", "attention_sweep", "base_gemms", "decode_breakdown", "kernels",
            "loader_interference", "mixed_steps", "moe_kernels", "prefill_kernels", "prefill_lora",
            "profile_decode", "profile_prefill", "replica_routing", "slot_load", "speculative",
-           "structured_outputs", "train_moe", "train_quantized")
+           "structured_outputs", "train_model", "train_moe")
 MODULES = ("__init__", "harness")  # not scripts
 OTHER_FILES = ("LOG.md", "RESULTS.md", "gpu_session.sh")
 
