@@ -542,6 +542,28 @@ def test_proposals_never_kept_stop_and_probes_bring_them_back():
     assert _step(sched, keep=True)[0] >= 2 and req.acceptance.probe_period == PROBE_PERIOD
 
 
+class _MatchEveryOther:
+    """An n-gram index with a match (room tokens of 1) every other step only."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, prompt, output, room):
+        self.calls += 1
+        return [1] * room if self.calls % 2 else []
+
+
+def test_steps_without_a_match_leave_the_acceptance_be():
+    """A request whose proposals are all kept but that has a match only every other step
+    (quoting with gaps) proposes k whenever it has one: steps without a match propose
+    nothing and cost nothing, so they do not count against it."""
+    sched, (req,) = _spec_scheduler()
+    req.ngram = _MatchEveryOther()
+    _step(sched, keep=True)  # the prompt
+    proposed = [_step(sched, keep=True)[0] for _ in range(12)]
+    assert proposed == [4, 0] * 6 and req.acceptance.rate > 0.9
+
+
 def test_a_step_proposes_at_most_its_draft_room():
     """Forty decoding requests at k = 4 propose DRAFT_TOKENS_PER_STEP tokens a step,
     not 160."""

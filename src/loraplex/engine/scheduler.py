@@ -167,8 +167,6 @@ class Scheduler:
             if req.ngram is None:
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
-        if not drafts:  # nothing to propose counts as nothing kept
-            req.acceptance.observe(0, 0)
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         self._draft_room -= len(drafts)
