@@ -45,6 +45,9 @@ def build_parser():
     p.add_argument("--targets", nargs="+", default=None, help="default: attention + experts (MoE)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile", action="store_true",
+                   help="loraplex: after the timed steps, one step under the torch profiler (top ops by "
+                        "device time, and by host time)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer gpt-oss of small shapes (smoke test)")
     return p
 
@@ -141,7 +144,24 @@ def loraplex_runs(args, path: Path, device, dtype) -> dict:
 
         results[f"seq{seq_len}"] = r = step_stats(step, seq_len, args.repeats, device)
         report("loraplex", seq_len, r)
+        if args.profile and not r.get("oom"):
+            profile_step(step, seq_len, device)
     return results
+
+
+def profile_step(step, seq_len: int, device) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    table = prof.key_averages()
+    for key in (["cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        print(f"--- {seq_len} tokens, top ops by {key}")
+        print(table.table(sort_by=key, row_limit=22, max_name_column_width=60))
 
 
 def peft_runs(args, path: Path, device, dtype) -> dict:

@@ -16,24 +16,31 @@ import triton.language as tl
 
 from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight
 from loraplex.ops.triton.precision import INTERPRETED
-from loraplex.ops.triton.quant_tiles import fp8_values, mxfp4_values
+from loraplex.ops.triton.quant_tiles import e2m1, e8m0, fp8_values, operand
 
-BLOCK_R, BLOCK_K = 16, 128
+BLOCK_R, BLOCK_K = 16, 256
 
 
 @triton.jit
 def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                              UPCAST: tl.constexpr):
+    """BLOCK_K values a row: BLOCK_K / 2 bytes, one e8m0 scale per 16 of them, loaded
+    once and broadcast; low and high nibbles interleaved in registers (tl.join) so the
+    row is stored contiguously."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: k = 2j, 2j + 1
-    mask = (rows < R)[:, None] & (j < K // 2)[None, :]
+    g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # their scales
+    row_mask = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
-    data = tl.load(data_ptr + r64 * (K // 2) + j[None, :], mask=mask, other=0).to(tl.int32)
-    scale = tl.load(scale_ptr + r64 * (K // 32) + (j // 16)[None, :], mask=mask, other=127).to(tl.int32)
-    low, high = mxfp4_values(data, scale, out_ptr, UPCAST)
-    out = out_ptr + r64 * K + 2 * j[None, :]
-    tl.store(out, low, mask=mask)
-    tl.store(out + 1, high, mask=mask)
+    data = tl.load(data_ptr + r64 * (K // 2) + j[None, :], mask=row_mask & (j < K // 2)[None, :], other=0)
+    scale = e8m0(tl.load(scale_ptr + r64 * (K // 32) + g[None, :], mask=row_mask & (g < K // 32)[None, :],
+                         other=127).to(tl.int32))
+    data = data.to(tl.int32)
+    low = tl.reshape(e2m1(data & 15), (BLOCK_R, BLOCK_K // 32, 16)) * scale[:, :, None]
+    high = tl.reshape(e2m1(data >> 4), (BLOCK_R, BLOCK_K // 32, 16)) * scale[:, :, None]
+    w = tl.reshape(tl.join(low, high), (BLOCK_R, BLOCK_K))
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r64 * K + k[None, :], operand(w, out_ptr, UPCAST), mask=row_mask & (k < K)[None, :])
 
 
 @triton.jit
