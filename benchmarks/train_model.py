@@ -96,6 +96,17 @@ def step_stats(step, seq_len: int, repeats: int, device) -> dict:
     return {"step_ms": ms, "tokens_per_s": seq_len / ms * 1e3, "peak_gib": peak, "loss": loss}
 
 
+def optimizer_step(loss_fn, opt):
+    """A whole step: the loss, its backward, the optimizer; returns the loss."""
+    def step() -> float:
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
 def report(label: str, seq_len: int, r: dict) -> None:
     if r.get("oom"):
         print(f"{label:8s} {seq_len:6d} tokens: out of memory")
@@ -134,14 +145,7 @@ def loraplex_runs(args, path: Path, device, dtype) -> dict:
           f"{', '.join(spec.targets)}")
     for seq_len in args.seq_lens:
         batch = {k: v.to(device) for k, v in data.pack([data.Example(*[_ids(model, seq_len)] * 2)]).items()}
-
-        def step():
-            loss = lm_loss_sum(model, batch) / (seq_len - 1)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-
+        step = optimizer_step(lambda: lm_loss_sum(model, batch) / (seq_len - 1), opt)
         results[f"seq{seq_len}"] = r = step_stats(step, seq_len, args.repeats, device)
         report("loraplex", seq_len, r)
         if args.profile and not r.get("oom"):
@@ -182,14 +186,7 @@ def peft_runs(args, path: Path, device, dtype) -> dict:
     print(f"PEFT: attention {results['attention']}")
     for seq_len in args.seq_lens:
         ids = torch.tensor([_ids(model, seq_len)], device=device)
-
-        def step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-
+        step = optimizer_step(lambda: model(input_ids=ids, labels=ids).loss, opt)
         results[f"seq{seq_len}"] = r = step_stats(step, seq_len, args.repeats, device)
         report("PEFT", seq_len, r)
         torch.cuda.empty_cache() if device.type == "cuda" else None

@@ -107,6 +107,25 @@ def _loss_and_grads(model, wrapped, batch):
     return loss.item(), peft_tensors(wrapped, grads=True)
 
 
+def assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, adapter_dir) -> None:
+    """Our adapter, saved and loaded by PEFT on the float32 model at model_dir, gives the
+    same loss on `batch` and the same gradient of every LoRA tensor."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    save_adapter(adapter_dir, wrapped, spec, str(model_dir))
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                     adapter_dir, is_trainable=True).train()
+    ref = peft(**batch)
+    ref.loss.backward()
+    ref_grads = {n.replace(".default", ""): p.grad for n, p in peft.named_parameters() if p.requires_grad}
+    assert set(ref_grads) == set(grads)
+    assert abs(ref.loss.item() - loss) <= 1e-5
+    for key, g in grads.items():
+        scale = ref_grads[key].abs().max().item()
+        torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-4 * scale)
+
+
 def _model_dir(arch, model_dirs, moe_dirs):
     return model_dirs[arch] if arch in model_dirs else moe_dirs[arch]
 
@@ -114,9 +133,6 @@ def _model_dir(arch, model_dirs, moe_dirs):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral", "gpt_oss",
                                   "deepseek_v2", "deepseek_v3"])
 def test_loss_and_grads_match_peft(arch, model_dirs, moe_dirs, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     model_dir = _model_dir(arch, model_dirs, moe_dirs)
     model, spec, wrapped = _our_model(model_dir, moe_backend="loop")
     batch = _batch()
@@ -138,17 +154,7 @@ def test_loss_and_grads_match_peft(arch, model_dirs, moe_dirs, tmp_path):
             for p in lora_parameters({"m": m}):
                 assert torch.equal(p.grad.flatten(1).abs().amax(1) > 0, routed)
 
-    save_adapter(tmp_path / "ad", wrapped, spec, str(model_dir))
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                                     tmp_path / "ad", is_trainable=True).train()
-    ref = peft(**batch)
-    ref.loss.backward()
-    ref_grads = {n.replace(".default", ""): p.grad for n, p in peft.named_parameters() if p.requires_grad}
-    assert set(ref_grads) == set(grads)
-    assert abs(ref.loss.item() - loss) <= 1e-5
-    for key, g in grads.items():
-        scale = ref_grads[key].abs().max().item()
-        torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-4 * scale)
+    assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
 
     # Gradient checkpointing: the same gradients; MoE layers replay their routing.
     enable_checkpointing(model)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from test_gpt_oss import tiny_config
 from test_quant_int4 import write_int4
 from test_quant_mxfp4 import write_mxfp4
-from test_train import _batch, _loss_and_grads, _memorize_records, _train, _write_jsonl
+from test_train import _batch, _loss_and_grads, _memorize_records, _train, _write_jsonl, assert_peft_agrees
 
 from loraplex.bench.synthetic import write_random_model
 from loraplex.errors import ModelLoadError
@@ -29,7 +29,6 @@ from loraplex.ops.reference.quant import dequantize, quantize_fp8
 from loraplex.train.lora import LoRAExperts, lora_parameters
 from loraplex.train.moe import ExpertProjection
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear, load_quantized_base
-from loraplex.train.save import save_adapter
 from loraplex.train.trainer import TrainConfig, prepare
 
 
@@ -93,9 +92,6 @@ def _quantized_model(base_dir, quantization, **cfg):
 @pytest.mark.parametrize("name", ["mxfp4 gpt-oss", "fp8 qwen3", "fp8 qwen3-moe", "awq llama", "gptq llama",
                                   "fp8 at load qwen3-moe", "fp8 at load gpt-oss"])
 def test_loss_and_grads_match_peft_on_the_dequantized_base(name, bases, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     base_dir, twin_dir, quantization = bases[name]
     model, spec, wrapped = _quantized_model(base_dir, quantization)
     fmt = {"mxfp4": Mxfp4Weight, "fp8": Fp8Weight, "awq": Int4Weight, "gptq": Int4Weight}[name.split()[0]]
@@ -111,17 +107,7 @@ def test_loss_and_grads_match_peft_on_the_dequantized_base(name, bases, tmp_path
     for key, g in grads.items():
         assert g.abs().max() > 0, key
 
-    save_adapter(tmp_path / "ad", wrapped, spec, str(twin_dir))
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.float32),
-                                     tmp_path / "ad", is_trainable=True).train()
-    ref = peft(**batch)
-    ref.loss.backward()
-    ref_grads = {n.replace(".default", ""): p.grad for n, p in peft.named_parameters() if p.requires_grad}
-    assert set(ref_grads) == set(grads)
-    assert abs(ref.loss.item() - loss) <= 1e-5
-    for key, g in grads.items():
-        scale = ref_grads[key].abs().max().item()
-        torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-4 * scale)
+    assert_peft_agrees(twin_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
 
 
 def _saved_numels(fn) -> list[int]:
