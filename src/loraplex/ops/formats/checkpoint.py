@@ -17,6 +17,9 @@ from torch import nn
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight, Int4Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.formats.checks import expect, finite_scales
+from loraplex.ops.formats.int4 import ingest_int4
+from loraplex.ops.formats.mxfp4 import ingest_mxfp4
 from loraplex.ops.reference.quant import quantize
 
 # The checkpoint tensors (name suffixes) that mark a layer as quantized, per method.
@@ -77,30 +80,14 @@ def ingest(w: QuantizedWeight, quant: QuantConfig, kind: str, tensor: torch.Tens
     if quant.online:  # a bf16 checkpoint quantized as it loads
         if kind != "weight":
             return ()
-        _expect(name, tensor, part.shape)
+        expect(name, tensor, part.shape)
         quantize(part, tensor)
         return tuple(b for b, _ in part.named_buffers(recurse=False))
     if isinstance(w, Fp8Weight):
         return _ingest_fp8(part, quant, kind, tensor, name)
     if isinstance(w, Int4Weight):  # AWQ, GPTQ
-        from loraplex.ops.formats.int4 import ingest_int4
-
         return ingest_int4(part, quant, kind, tensor, name)
-    from loraplex.ops.formats.mxfp4 import ingest_mxfp4
-
     return ingest_mxfp4(part, quant, kind, tensor, name)
-
-
-def _expect(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise ModelLoadError(f"{name}: checkpoint shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-    if dtype is not None and tensor.dtype != dtype:
-        raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected {dtype}")
-
-
-def _finite_scales(name: str, scale: torch.Tensor) -> None:
-    if not torch.isfinite(scale).all() or (scale <= 0).any():
-        raise ModelLoadError(f"{name}: scales must be finite and positive")
 
 
 def _ingest_fp8(w: Fp8Weight, quant: QuantConfig, kind: str, tensor: torch.Tensor,
@@ -113,14 +100,14 @@ def _ingest_fp8(w: Fp8Weight, quant: QuantConfig, kind: str, tensor: torch.Tenso
     data, scale = w.data, w.scale
     n, k = data.shape[-2:]
     if kind == "weight":
-        _expect(name, tensor, data.shape, torch.float8_e4m3fn)
+        expect(name, tensor, data.shape, torch.float8_e4m3fn)
         data.copy_(tensor)
         return ("data",)
     if quant.method == "fp8":
         if kind == "weight_scale_inv":  # [ceil(n / bn), ceil(k / bk)] blocks: one scale per row here
             bn, bk = quant.weight_block
-            _expect(name, tensor, (*data.shape[:-2], math.ceil(n / bn), math.ceil(k / bk)))
-            _finite_scales(name, tensor)
+            expect(name, tensor, (*data.shape[:-2], math.ceil(n / bn), math.ceil(k / bk)))
+            finite_scales(name, tensor)
             scale.copy_(tensor.float().repeat_interleave(bn, dim=-2)[..., :n, :])
             return ("scale",)
         return ()
@@ -129,14 +116,14 @@ def _ingest_fp8(w: Fp8Weight, quant: QuantConfig, kind: str, tensor: torch.Tenso
     per_channel = quant.weight_block == (1, 0)
     shape = (*data.shape[:-2], n, 1) if per_channel else (1,)
     if kind == "weight_scale":
-        _expect(name, tensor, shape)
+        expect(name, tensor, shape)
         if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected a float dtype")
-        _finite_scales(name, tensor)
+        finite_scales(name, tensor)
         scale.copy_(tensor.float().reshape(*data.shape[:-2], -1, 1).expand(scale.shape))
         return ("scale",)
     if kind == "weight_zero_point":
-        _expect(name, tensor, shape)
+        expect(name, tensor, shape)
         if (tensor.float() != 0).any():
             raise ModelLoadError(f"{name}: nonzero zero points in a symmetric checkpoint")
         return ()

@@ -31,7 +31,7 @@ import torch
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Int4Weight
-from loraplex.ops.formats.checkpoint import _expect, _finite_scales
+from loraplex.ops.formats.checks import expect, finite_scales
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # value i of an AWQ word holds column 8c + AWQ_ORDER[i]
 AWQ_UNDO = tuple(AWQ_ORDER.index(j) for j in range(8))  # column 8c + j is value AWQ_UNDO[j]
@@ -71,14 +71,14 @@ def ingest_int4(w: Int4Weight, quant: QuantConfig, kind: str, tensor: torch.Tens
         w.zero.copy_(zero)
         return ("zero",)
     if kind == "scales":
-        _expect(name, tensor, (k // group, n))
+        expect(name, tensor, (k // group, n))
         if tensor.dtype not in SCALE_DTYPES:
             raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected a float dtype")
-        _finite_scales(name, tensor)
+        finite_scales(name, tensor)
         w.scale.copy_(tensor.t())
         return ("scale",)
     if kind == "g_idx" and not awq:
-        _expect(name, tensor, (k,))
+        expect(name, tensor, (k,))
         if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
             raise ModelLoadError(f"{name}: checkpoint dtype {tensor.dtype}, expected integers")
         if not torch.equal(tensor.long(), torch.arange(k) // group):
@@ -91,7 +91,7 @@ def ingest_int4(w: Int4Weight, quant: QuantConfig, kind: str, tensor: torch.Tens
 def _words(name: str, tensor: torch.Tensor, shape: tuple[int, int], packed_dim: int) -> None:
     if packed_dim % PACK:
         raise ModelLoadError(f"{name}: {packed_dim} values do not pack into whole int32 words")
-    _expect(name, tensor, shape, torch.int32)
+    expect(name, tensor, shape, torch.int32)
 
 
 def _unpack(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:

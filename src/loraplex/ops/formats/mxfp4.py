@@ -24,7 +24,7 @@ import torch
 from loraplex.config import QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import MXFP4_BLOCK, Mxfp4Weight
-from loraplex.ops.formats.checkpoint import _expect
+from loraplex.ops.formats.checks import expect
 
 E8M0_NAN = 255
 _BYTES_PER_BLOCK = MXFP4_BLOCK // 2
@@ -38,11 +38,11 @@ def ingest_mxfp4(w: Mxfp4Weight, quant: QuantConfig, kind: str, tensor: torch.Te
     data, scale = w.data, w.scale
     if kind.endswith("_blocks"):
         *lead, n, k_half = data.shape
-        _expect(name, tensor, (*lead, n, k_half // _BYTES_PER_BLOCK, _BYTES_PER_BLOCK), torch.uint8)
+        expect(name, tensor, (*lead, n, k_half // _BYTES_PER_BLOCK, _BYTES_PER_BLOCK), torch.uint8)
         data.copy_(tensor.reshape(data.shape))
         return ("data",)
     if kind.endswith("_scales"):
-        _expect(name, tensor, scale.shape, torch.uint8)
+        expect(name, tensor, scale.shape, torch.uint8)
         if (tensor == E8M0_NAN).any():
             raise ModelLoadError(f"{name}: e8m0 scale {E8M0_NAN} (NaN)")
         scale.copy_(tensor)
