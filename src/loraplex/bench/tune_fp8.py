@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.bench.tune_moe import SMEM_BYTES, time_ms
+from loraplex.bench.tuning import SMEM_BYTES, time_ms
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
 from loraplex.ops.triton.fp8_gemm import fp8_linear, scale_mode

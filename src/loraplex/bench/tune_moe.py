@@ -17,12 +17,12 @@ import argparse
 import itertools
 import logging
 import math
-import statistics
 from pathlib import Path
 
 import torch
 import triton
 
+from loraplex.bench.tuning import SMEM_BYTES, time_ms
 from loraplex.errors import LoraplexError, ModelLoadError, UnsupportedModel
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 from loraplex.ops.reference.quant import quantize_fp8, quantize_mxfp4
@@ -34,7 +34,6 @@ from loraplex.ops.triton.moe_gemm_quant import MIN_BLOCK_K, moe_gemm_quant
 logger = logging.getLogger("loraplex")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
-SMEM_BYTES = 200 * 1024  # H100 / H200 allow 227 KiB per block; leave room for the epilogue
 FORMATS = ("mxfp4", "fp8")
 WEIGHT_BYTES = {"mxfp4": 0.5, "fp8": 1}  # stored bytes per weight value
 
@@ -61,22 +60,6 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps,
                         num_stages=stages))
     return out
-
-
-def time_ms(fn, repeats: int = 20, inner: int = 10) -> float:
-    """Median over `repeats` of the mean time of `inner` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
 
 
 def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: bool,
