@@ -120,7 +120,7 @@ def loraplex_runs(args, path: Path, device, dtype) -> dict:
 
     from loraplex.train import data
     from loraplex.train.lora import lora_parameters
-    from loraplex.train.quantized import load_quantized_base
+    from loraplex.train.quantized_base import load_quantized_base
     from loraplex.train.trainer import TrainConfig, lm_loss_sum, make_optimizer, prepare, training_attention
 
     cuda = device.type == "cuda"

@@ -1,11 +1,11 @@
-"""LoRA training on a frozen quantized base (train/quantized.py): MXFP4 gpt-oss, FP8
-block-scaled (dense, and Qwen3-MoE's per-expert layout), AWQ / GPTQ int4, and a bf16
-checkpoint quantized to FP8 as it loads. Each is written from a tiny model in its
-published layout beside its dequantized twin (the writers of the serving tests); the
-loss and LoRA gradients on the quantized base must be PEFT's on the twin, the quantized
-weights must never be saved dequantized for backward, and an adapter trained on the
-MXFP4 base must serve (loraplex, on the MXFP4 checkpoint) as PEFT computes it on the
-twin."""
+"""LoRA training on a frozen quantized base (train/quantized.py, train/quantized_base.py):
+MXFP4 gpt-oss, FP8 block-scaled (dense, and Qwen3-MoE's per-expert layout), AWQ / GPTQ
+int4, and a bf16 checkpoint quantized to FP8 as it loads. Each is written from a tiny
+model in its published layout beside its dequantized twin (the writers of the serving
+tests); the loss and LoRA gradients on the quantized base must be PEFT's on the twin,
+the quantized weights must never be saved dequantized for backward, and an adapter
+trained on the MXFP4 base must serve (loraplex, on the MXFP4 checkpoint) as PEFT
+computes it on the twin."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from loraplex.ops.formats import Fp8Weight, Int4Weight, Mxfp4Weight
 from loraplex.ops.reference.quant import dequantize, quantize_fp8
 from loraplex.train.lora import LoRAExperts, lora_parameters
 from loraplex.train.moe import ExpertProjection
-from loraplex.train.quantized import FrozenWeight, QuantizedLinear, load_quantized_base
+from loraplex.train.quantized import FrozenWeight, QuantizedLinear
+from loraplex.train.quantized_base import load_quantized_base
 from loraplex.train.trainer import TrainConfig, prepare
 
 

@@ -25,7 +25,7 @@ from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpo
 from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
 from loraplex.train.loss import chunked_loss_sum
 from loraplex.train.moe import resolve_backend
-from loraplex.train.quantized import is_quantized_checkpoint, load_quantized_base
+from loraplex.train.quantized_base import is_quantized_checkpoint, load_quantized_base
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
 
