@@ -61,6 +61,16 @@ class QuantConfig:
     online: bool = False  # quantized from a bf16 checkpoint at load
 
     @classmethod
+    def requested(cls, method: str, online: bool) -> QuantConfig:
+        """`--quantization METHOD` without a checkpoint quantized so: random weights in the
+        method's format (its usual coverage: MXFP4 on experts, int4 on dense projections,
+        fp8 on both), or (online) a bf16 checkpoint quantized as it loads. FP8 per row and
+        128 columns; int4 groups of 128, symmetric for GPTQ."""
+        formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
+        return cls(method, formats[method], weight_block=(1, 128), group_size=128, symmetric=method == "gptq",
+                   online=online)
+
+    @classmethod
     def from_hf(cls, arch: str, q: dict) -> QuantConfig:
         """A Hugging Face quantization_config; anything else loraplex cannot serve exactly
         is an UnsupportedModel naming the variant."""

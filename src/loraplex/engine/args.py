@@ -268,9 +268,7 @@ class EngineArgs:
         if self.load_format != "dummy" and asked != "fp8":
             raise ModelLoadError(f"--quantization {asked} needs a checkpoint quantized so, or "
                                  "--load-format dummy (only fp8 quantizes a bf16 checkpoint as it loads)")
-        formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
-        return QuantConfig(asked, formats[asked], weight_block=(1, 128), group_size=128,
-                           symmetric=asked == "gptq", online=self.load_format != "dummy")
+        return QuantConfig.requested(asked, online=self.load_format != "dummy")
 
     def create_engine(self) -> LLMEngine:
         """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings

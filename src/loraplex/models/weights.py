@@ -25,7 +25,7 @@ from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts
 from loraplex.layers.parallel import Shard
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.formats.checkpoint import ingest, init_quantized
+from loraplex.ops.formats.checkpoint import ingest, init_quantized, safetensors_files
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -106,16 +106,6 @@ def adapter_targets(model: nn.Module, target_modules: tuple[str, ...] | None = N
 
 def _full_intermediate(experts: Experts) -> int:
     return experts.intermediate_size if experts.tp is None else experts.tp.full_intermediate
-
-
-def safetensors_files(model_dir: str | Path) -> list[Path]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not "
-            "loaded; use load_format='dummy' for random weights)"
-        )
-    return files
 
 
 def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: bool,

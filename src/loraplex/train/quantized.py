@@ -19,7 +19,7 @@ from torch import nn
 
 from loraplex import ops
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.formats.checkpoint import _view
+from loraplex.ops.formats.checkpoint import leading_slice, row_parts
 from loraplex.ops.reference.quant import dequantize
 from loraplex.train.moe import StackSlices
 
@@ -61,13 +61,9 @@ class FrozenWeight(nn.Module):
         k = w.shape[-1]
         out = torch.empty(w.shape, dtype=w.dtype, device=w.device)
         rows = out.view(-1, k)
-        flat = {name: t.reshape(rows.shape[0], t.shape[-1]) for name, t in w.named_buffers(recurse=False)}
-        step = max(1, _DEQUANT_CHUNK // k)
-        for r0 in range(0, rows.shape[0], step):
-            part = _view(w, {name: t[r0: r0 + step] for name, t in flat.items()})
-            rows[r0: r0 + step] = dequantize(part)
+        for r0, r1, part in row_parts(w, max(1, _DEQUANT_CHUNK // k)):
+            rows[r0:r1] = dequantize(part)
         return out.transpose(-1, -2) if self.transposed else out
-
 
     def experts(self, transpose: bool) -> StackSlices:
         """An expert stack as the expert functions read it (train/moe.py StackSlices):
@@ -77,7 +73,7 @@ class FrozenWeight(nn.Module):
         e, n, k = w.shape
 
         def make(e0: int, e1: int) -> torch.Tensor:
-            part = FrozenWeight(_view(w, {b: t[e0:e1] for b, t in w.named_buffers(recurse=False)}))()
+            part = FrozenWeight(leading_slice(w, e0, e1))()
             return part.transpose(1, 2) if transpose else part
 
         chunk = max(1, EXPERT_SLICE_BYTES // (n * k * w.dtype.itemsize))

@@ -22,10 +22,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from loraplex.config import QuantConfig
+from loraplex.config import QUANTIZATION_METHODS, QuantConfig
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.formats.checkpoint import QUANTIZED_MARKS, ingest, init_quantized, new_weight
+from loraplex.ops.formats.checkpoint import (
+    QUANTIZED_MARKS,
+    ingest,
+    init_quantized,
+    new_weight,
+    safetensors_files,
+)
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 
 # Projections a load-time or random quantization covers (routers, embeddings and the
@@ -73,27 +79,19 @@ def base_quantization(hf_config, quantization: str | None, dummy: bool = False) 
             raise ModelLoadError(f"the checkpoint is {quant.method}-quantized; --quantization {quantization} "
                                  "cannot apply to it")
         return quant
-    formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
-    if dummy and quantization in formats:
-        return QuantConfig(quantization, formats[quantization], weight_block=(1, 128), group_size=128)
+    if dummy and quantization in QUANTIZATION_METHODS:
+        return QuantConfig.requested(quantization, online=False)
     if quantization != "fp8":
         raise ModelLoadError(f"--quantization {quantization}: a bf16 checkpoint is quantized as it loads "
                              "only to fp8; other formats train from a checkpoint quantized so")
-    return QuantConfig("fp8", "fp8", weight_block=(1, 128), online=True)
-
-
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir}: no .safetensors files")
-    return files
+    return QuantConfig.requested("fp8", online=True)
 
 
 def _checkpoint_names(model_dir: Path) -> set[str]:
     from safetensors import safe_open
 
     names = set()
-    for path in _checkpoint_files(model_dir):
+    for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             names.update(f.keys())
     return names
@@ -102,7 +100,7 @@ def _checkpoint_names(model_dir: Path) -> set[str]:
 def _checkpoint_tensors(model_dir: Path):
     from safetensors import safe_open
 
-    for path in _checkpoint_files(model_dir):
+    for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -153,7 +151,8 @@ class _Builder:
     def quantizes(self, path: str, param: str) -> bool:
         """Load-time quantization and random weights: the projections and expert stacks."""
         module = self.modules.get(path)
-        if param in EXPERT_STACKS and getattr(getattr(module, param, None), "dim", lambda: 0)() == 3:
+        stack = getattr(module, param, None) if param in EXPERT_STACKS else None
+        if stack is not None and stack.dim() == 3:
             return self.quant.format != "int4"  # int4: dense projections only (as served)
         return (param == "weight" and path.rpartition(".")[2] in QUANTIZED_PROJECTIONS
                 and isinstance(module, nn.Linear) and self.quant.format != "mxfp4")  # MXFP4: experts only

@@ -1,15 +1,17 @@
 """Checkpoint tensors -> loraplex's canonical quantized weights (ops/formats): an empty
 weight of a format (`new_weight`), random weights at trained scale (`init_quantized`),
-and `ingest`, which writes one published checkpoint tensor (FP8 block-scaled or
+the weight files of a checkpoint directory, and `ingest`, which writes one published
+checkpoint tensor (FP8 block-scaled or
 compressed-tensors here; AWQ / GPTQ in formats/int4.py; MXFP4 in formats/mxfp4.py) into
 its part of a weight, checking shape, dtype and scales. Serving's loader
-(models/weights.py) and training on a quantized base (train/quantized.py) both read
+(models/weights.py) and training on a quantized base (train/quantized_base.py) both read
 checkpoints through it.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,7 +34,6 @@ QUANTIZED_MARKS = {
 }
 
 
-
 def new_weight(quant: QuantConfig, shape: tuple[int, ...], dtype: torch.dtype, device) -> QuantizedWeight:
     """An empty weight of logical `shape` in quant's format."""
     if quant.format == "fp8":
@@ -47,15 +48,37 @@ def new_weight(quant: QuantConfig, shape: tuple[int, ...], dtype: torch.dtype, d
 def init_quantized(w: QuantizedWeight, std: float, gen: torch.Generator) -> None:
     """Random weights at trained scale: N(0, std) quantized into w's format, in row
     chunks (a bf16 copy of a whole expert stack would not fit beside the model)."""
-    rows = w.data.view(-1, w.data.shape[-1]).shape[0]
     k = w.shape[-1]
-    flat = {name: t.view(rows, t.shape[-1]) for name, t in w.named_buffers(recurse=False)}
-    chunk = max(1, (64 << 20) // (4 * k))
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
+    for r0, r1, part in row_parts(w, max(1, (64 << 20) // (4 * k))):
         values = torch.empty(r1 - r0, k, dtype=torch.float32, device=w.device)
         values.normal_(0.0, std, generator=gen)
-        quantize(_view(w, {name: t[r0:r1] for name, t in flat.items()}), values)
+        quantize(part, values)
+
+
+def row_parts(w: QuantizedWeight, rows_per_part: int):
+    """w's rows (every leading index's, flattened) in parts: (r0, r1, a weight of w's
+    format over rows r0..r1 - 1, views of w's buffers), for work in bounded pieces."""
+    rows = w.data.reshape(-1, w.data.shape[-1]).shape[0]
+    flat = {name: t.view(rows, t.shape[-1]) for name, t in w.named_buffers(recurse=False)}
+    for r0 in range(0, rows, rows_per_part):
+        r1 = min(rows, r0 + rows_per_part)
+        yield r0, r1, _view(w, {name: t[r0:r1] for name, t in flat.items()})
+
+
+def leading_slice(w: QuantizedWeight, i0: int, i1: int) -> QuantizedWeight:
+    """w[i0:i1] along its first dimension (e.g. experts of a stack), as views."""
+    return _view(w, {name: t[i0:i1] for name, t in w.named_buffers(recurse=False)})
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """A checkpoint directory's weight files, in order."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"no *.safetensors weights in {model_dir} (pickled .bin checkpoints are not "
+            "loaded; use load_format='dummy' for random weights)"
+        )
+    return files
 
 
 def _view(w: QuantizedWeight, buffers: dict[str, torch.Tensor]) -> QuantizedWeight:
