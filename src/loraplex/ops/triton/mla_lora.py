@@ -53,17 +53,23 @@ def _launch(kernel, target: torch.Tensor, src: torch.Tensor, b: torch.Tensor, lo
 
 
 @triton.jit
+def _program(token_slot, H, R, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's token, its adapter slot (-1: none), its block of heads and the rank
+    lanes, each with its mask."""
+    t = tl.program_id(0)
+    slot = tl.load(token_slot + t).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k = tl.arange(0, R_PAD)
+    return t, slot, heads, heads < H, k, k < R
+
+
+@triton.jit
 def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_ar, s_bs, s_bh, s_bn,
                H, NOPE, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
                BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    t, hb = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(token_slot + t).to(tl.int64)
+    t, slot, heads, hmask, k, kmask = _program(token_slot, H, R, R_PAD, BLOCK_H)
     if slot < 0:
         return
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    k = tl.arange(0, R_PAD)
-    kmask = k < R
     # u[h, k] = sum_n q_nope[t, h, n] B_k[s, h, n, k]
     u = tl.zeros([BLOCK_H, R_PAD], tl.float32)
     for n0 in range(0, NOPE, BLOCK_IN):
@@ -94,14 +100,9 @@ def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_
 def _value_delta(out, o_lat, a, b, token_slot, s_ot, s_oh, s_lt, s_lh, s_as, s_ar, s_bs, s_bh, s_bv,
                  H, V, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
                  BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    t, hb = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(token_slot + t).to(tl.int64)
+    t, slot, heads, hmask, k, kmask = _program(token_slot, H, R, R_PAD, BLOCK_H)
     if slot < 0:
         return
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    k = tl.arange(0, R_PAD)
-    kmask = k < R
     # u[h, k] = sum_r o_lat[t, h, r] A[s, k, r]
     u = tl.zeros([BLOCK_H, R_PAD], tl.float32)
     for r0 in range(0, LAT, BLOCK_LAT):
