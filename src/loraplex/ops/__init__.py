@@ -252,6 +252,34 @@ def add_rms_norm(
     return _impl.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
+RMS_NORM_MODES = ("llama", "fp32_weight", "unit_offset")
+
+
+def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: (y, rstd), rstd = 1 / sqrt(mean(x^2, -1) + eps) float32 [...] and y the
+    norm as transformers rounds it, xhat = x * rstd in float32 (training; train/norms.py):
+      "llama" (Llama, Qwen, Mistral, Mixtral, DeepSeek): weight * xhat.to(x.dtype), in the
+        promoted dtype of weight and x (rounded, then scaled);
+      "fp32_weight" (gpt-oss): (weight * xhat).to(x.dtype) (scaled in float32, rounded);
+      "unit_offset" (Gemma): (xhat * (1 + weight.float())).to(x.dtype).
+    x [..., N] with a unit stride last: any leading shape and strides (a q/k norm's
+    heads). The backend follows x's device (`backend_for`): Triton on CUDA.
+    """
+    if mode not in RMS_NORM_MODES:
+        raise ValueError(f"unknown RMSNorm mode {mode!r}; known: {', '.join(RMS_NORM_MODES)}")
+    return backend_for(x.device).rms_norm_train(x, weight, eps, mode)
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      mode: str) -> torch.Tensor:
+    """Semantics: dx of rms_norm_train for a frozen weight (no weight gradient), in x's
+    dtype: dx = rstd * (gx - xhat * mean(gx * xhat, -1)), xhat = x * rstd, gx = g * weight
+    ("unit_offset": g * (1 + weight)), in float32; the forward's rounding passes the
+    gradient through as it is. g [..., N] as y, rstd as rms_norm_train returned it."""
+    return backend_for(x.device).rms_norm_backward(g, x, rstd, weight, mode)
+
+
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     qk_norm: QKNorm | None = None,
@@ -350,6 +378,8 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_train",
     "rotary_embedding",
     "silu_and_mul",
     "use_backend",

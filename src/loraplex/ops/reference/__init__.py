@@ -5,6 +5,8 @@ from loraplex.ops.reference.elementwise import (
     add_rms_norm,
     gelu_tanh_and_mul,
     rms_norm,
+    rms_norm_backward,
+    rms_norm_train,
     rotary_embedding,
     silu_and_mul,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "paged_attention",
     "race_sample",
     "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_train",
     "rotary_embedding",
     "silu_and_mul",
     "silu_mul_weighted",

@@ -15,6 +15,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     return weight * h.to(x.dtype)  # Llama: round, then scale
 
 
+def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h * rstd
+    if mode == "llama":  # round, then scale (in the promoted dtype of weight and x)
+        y = weight * h.to(x.dtype)
+    elif mode == "fp32_weight":  # gpt-oss: scale in float32, then round
+        y = (weight * h).to(x.dtype)
+    elif mode == "unit_offset":  # Gemma: (1 + w) in float32, then round
+        y = (h * (1.0 + weight.float())).to(x.dtype)
+    else:
+        raise ValueError(f"unknown RMSNorm mode {mode!r}")
+    return y, rstd.squeeze(-1)
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      mode: str) -> torch.Tensor:
+    rstd = rstd.unsqueeze(-1)
+    xhat = x.float() * rstd
+    w = weight.float()
+    gxhat = g.float() * (1.0 + w if mode == "unit_offset" else w)
+    return (rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     unit_offset: bool = False,

@@ -7,6 +7,11 @@ Face's Llama RMSNorm, or (UNIT_OFFSET, Gemma) scaled by 1 + weight in float32 an
 rounded. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm). With a
 residual, x may be [T, K, N]: a MoE block's K expert outputs per token, summed here (one
 launch and one pass over them less than a separate sum).
+
+Training (train/norms.py, a frozen weight): `rms_norm_train` also writes each row's
+float32 rstd, in one of transformers' three roundings (ops.rms_norm_train), and
+`rms_norm_backward` gives dx from x and rstd, with no weight gradient. Several short rows
+(q/k norm heads) per program; rows of any leading shape and strides, in memory order.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from loraplex.ops.triton.precision import INTERPRETED
 
 
 @triton.jit
@@ -93,3 +100,137 @@ def add_rms_norm(
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(x, residual, weight, eps, unit_offset)
+
+
+# Training (LoRA over a frozen base; train/norms.py): the forward also writes each row's
+# float32 rstd, and the backward gives dx only (the weight is frozen). Modes, numbered as
+# the kernels' MODE: how transformers rounds (ops.rms_norm_train).
+TRAIN_MODES = {"llama": 0, "fp32_weight": 1, "unit_offset": 2}
+
+
+@triton.jit
+def _rounded(v, dtype, UPCAST: tl.constexpr):
+    """float32 v rounded to nearest (even) in `dtype`, as float32 again. UPCAST (the
+    interpreter, whose float32 -> bf16 cast truncates): bf16's rounding on the bits."""
+    if UPCAST and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_train_kernel(
+    x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, eps, stride_x, stride_y,
+    MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < R
+    mask = row_mask[:, None] & (cols < N)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    xhat = x * rstd[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if MODE == 0:  # Llama: xhat rounded to x's dtype, then times w
+        y = _rounded(xhat, dtype, UPCAST) * w
+    elif MODE == 1:  # gpt-oss: w * xhat in float32
+        y = xhat * w
+    else:  # Gemma: (1 + w) in float32
+        y = xhat * (1.0 + w)
+    y = _rounded(y, y_ptr.dtype.element_ty, UPCAST)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    g_ptr, x_ptr, rstd_ptr, w_ptr, dx_ptr, R, N, stride_g, stride_x, stride_dx,
+    MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = rstd (gxhat - xhat mean(gxhat xhat)), gxhat = g w (g (1 + w) for Gemma): the
+    rounding of the forward passes gradients through unchanged."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=rows < R, other=0.0)[:, None]
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if MODE == 2:
+        gxhat = g * (1.0 + w)
+    else:
+        gxhat = g * w
+    xhat = x * rstd
+    dx = rstd * (gxhat - xhat * (tl.sum(gxhat * xhat, axis=1) / N)[:, None])
+    dx = _rounded(dx, dx_ptr.dtype.element_ty, UPCAST)
+    tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_order(x: torch.Tensor) -> list[int] | None:
+    """x's dims in memory order (leading dims by decreasing stride, the last dim last), so
+    that x permuted so is a [rows, N] view where its layout allows (a q/k norm's transposed
+    [B, H, S, D] heads, a split's slice of a wider row), else reshape copies it. None for
+    a contiguous x (rows as they are, fewer host-side ops)."""
+    if x.is_contiguous():
+        return None
+    lead = sorted(range(x.dim() - 1), key=lambda d: -x.stride(d))
+    return [*lead, x.dim() - 1]
+
+
+def _rows(t: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    r = (t if order is None else t.permute(order)).reshape(-1, t.shape[-1])
+    return r if r.stride(-1) == 1 else r.contiguous()
+
+
+def _empty_rows(x: torch.Tensor, order: list[int] | None, dtype: torch.dtype, last: bool = True):
+    """A new tensor shaped as x (without its last dim if not `last`), laid out in x's row
+    order: (it, its [rows, N] or [rows] view)."""
+    if order is None:
+        buf = torch.empty(x.shape if last else x.shape[:-1], dtype=dtype, device=x.device)
+        return buf, buf.view(-1, x.shape[-1]) if last else buf.view(-1)
+    dims = order if last else order[:-1]
+    buf = torch.empty([x.shape[d] for d in dims], dtype=dtype, device=x.device)
+    inverse = sorted(range(len(dims)), key=lambda i: dims[i])
+    return buf.permute(inverse), buf.view(-1, x.shape[-1]) if last else buf.view(-1)
+
+
+def _blocks(n: int) -> dict:
+    block_n = triton.next_power_of_2(n)
+    # Several short rows (q/k norm heads) per program; one long row (hidden states) each.
+    return dict(BLOCK_M=max(1, min(16, 2048 // block_n)), BLOCK_N=block_n,
+                num_warps=4 if block_n <= 4096 else 8)
+
+
+def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.stride(0) == 1, (x.shape, weight.shape)
+    order = _row_order(x)
+    xr = _rows(x, order)
+    out_dtype = torch.result_type(weight, x) if mode == "llama" else x.dtype
+    y, yr = _empty_rows(x, order, out_dtype)
+    rstd, rstd_r = _empty_rows(x, order, torch.float32, last=False)
+    cfg = _blocks(n)
+    if xr.shape[0]:
+        _rms_norm_train_kernel[(triton.cdiv(xr.shape[0], cfg["BLOCK_M"]),)](
+            xr, weight, yr, rstd_r, xr.shape[0], n, eps, xr.stride(0), yr.stride(0),
+            MODE=TRAIN_MODES[mode], UPCAST=INTERPRETED, **cfg,
+        )
+    return y, rstd
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                      mode: str) -> torch.Tensor:
+    n = x.shape[-1]
+    order = _row_order(x)
+    xr, gr = _rows(x, order), _rows(g, order)
+    rstd_r = (rstd if order is None else rstd.permute(order[:-1])).reshape(-1)  # as laid out: a view
+    dx, dxr = _empty_rows(x, order, x.dtype)
+    cfg = _blocks(n)
+    if xr.shape[0]:
+        _rms_norm_backward_kernel[(triton.cdiv(xr.shape[0], cfg["BLOCK_M"]),)](
+            gr, xr, rstd_r, weight, dxr, xr.shape[0], n, gr.stride(0), xr.stride(0), dxr.stride(0),
+            MODE=TRAIN_MODES[mode], UPCAST=INTERPRETED, **cfg,
+        )
+    return dx
