@@ -114,20 +114,50 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def pack(examples: list[Example]) -> dict[str, torch.Tensor]:
+def pack(examples: list[Example], bounds: bool = False, length: int | None = None,
+         slots: int | None = None, pad_id: int = 0) -> dict[str, torch.Tensor | int]:
     """The examples as one row [1, total]: position ids restart at each example, which
     transformers reads as the examples' attention boundaries (no attention_mask given);
     the label of each example's first token is IGNORE (the previous example's last token
-    would otherwise predict it). Same loss and gradients as collate(), no padding."""
-    ids = torch.tensor([t for e in examples for t in e.input_ids])
-    labels = torch.tensor([t for e in examples for t in e.labels])
-    positions = torch.cat([torch.arange(len(e.input_ids)) for e in examples])
+    would otherwise predict it). Same loss and gradients as collate(), no padding.
+
+    bounds: also the boundaries as train/attention.py reads them (`cu_seq_lens_q/k`,
+    where each example starts, then the row's end; `max_length_q/k`). For a fixed shape
+    (a CUDA graph's): `length` pads the row with one more example of pad_id (labels
+    IGNORE), `slots` repeats the row's end until there are slots + 1 boundaries, and the
+    longest length is the row's. "tokens" counts the examples' tokens, padding left out.
+    A row that is one example gets no boundaries: attention takes it as a causal row
+    (cuDNN's kernel on a GPU, 1.7x flash's variable-length one at 16K tokens)."""
+    lens = [len(e.input_ids) for e in examples]
+    total = sum(lens)
+    ids = [t for e in examples for t in e.input_ids]
+    labels = [t for e in examples for t in e.labels]
+    if length is not None and length > total:
+        lens.append(length - total)
+        ids += [pad_id] * lens[-1]
+        labels += [IGNORE] * lens[-1]
+    positions = torch.cat([torch.arange(n) for n in lens])
+    labels = torch.tensor(labels)
     labels[positions == 0] = IGNORE
-    return {"input_ids": ids[None], "position_ids": positions[None], "labels": labels[None]}
+    batch = {"input_ids": torch.tensor(ids)[None], "position_ids": positions[None], "labels": labels[None]}
+    if bounds:
+        batch["tokens"] = total
+    if bounds and len(lens) > 1:  # (one example filling the row is a causal row: no bounds)
+        ends = torch.tensor([0, *lens]).cumsum(0)
+        if slots is not None:
+            if slots + 1 < len(ends):
+                raise ValueError(f"{len(lens)} examples in a row of {slots} slots")
+            ends = torch.cat([ends, ends[-1:].expand(slots + 1 - len(ends))])
+        cu = ends.to(torch.int32)
+        longest = sum(lens) if length is not None else max(lens)
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return batch
 
 
-def num_tokens(batch: dict[str, torch.Tensor]) -> int:
+def num_tokens(batch: dict[str, torch.Tensor | int]) -> int:
     """Tokens of a collated or packed batch, padding left out."""
+    if "tokens" in batch:
+        return batch["tokens"]
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 

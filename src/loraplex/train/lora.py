@@ -61,7 +61,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return self.base_layer(x) + self.scale * nn.functional.linear(nn.functional.linear(x, a), b)
+        y = self.base_layer(x)
+        xa = nn.functional.linear(x, a)
+        # The expand accumulates into the base output in its GEMM (addmm's beta = 1):
+        # no separate scale and add passes over [tokens, out], forward or backward.
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=self.scale)
+        return out.view(y.shape)
 
 
 def is_experts(module: nn.Module) -> bool:

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                    help="a micro-batch's examples as one row with attention boundaries, no padding "
                         "(default: where the model keeps packed examples apart)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each micro-step from a CUDA graph, rows padded to a few lengths "
+                        "(default: on a GPU where loraplex's attention bounds the packed rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-steps", type=int, default=200, help="checkpoint every N steps (0: never)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",

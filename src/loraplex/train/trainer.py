@@ -20,11 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from loraplex.train import attention as train_attention
 from loraplex.train import data
 from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from loraplex.train.graphed import GraphedSteps, row_length
 from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
 from loraplex.train.loss import chunked_loss_sum
 from loraplex.train.moe import resolve_backend
+from loraplex.train.norms import install_fused_norms
 from loraplex.train.quantized_base import is_quantized_checkpoint, load_quantized_base
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
@@ -60,6 +63,9 @@ class TrainConfig:
     # A micro-batch's examples as one row (data.pack), no padding: None packs where the
     # model bounds packed examples' attention (packing_supported), True insists.
     packing: bool | None = None
+    # Each micro-step replayed from a CUDA graph (train/graphed.py), rows padded to a few
+    # lengths: None does so on a GPU where train/attention.py bounds the packed rows.
+    cuda_graph: bool | None = None
     device: str = "auto"
     dtype: str = "auto"  # bf16 on CUDA, float32 on CPU
     progress: bool = True
@@ -67,7 +73,10 @@ class TrainConfig:
 
 # What a resumed run may change: where and how it runs, when it stops or checkpoints.
 _RESUMABLE_CHANGES = ("out", "resume", "progress", "max_steps", "save_steps", "device", "dtype",
-                      "moe_backend", "gradient_checkpointing", "packing")
+                      "moe_backend", "gradient_checkpointing", "packing", "cuda_graph")
+# What lm_loss_sum hands the decoder of a batch (the rest: labels, counts).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                "max_length_q", "max_length_k")
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -77,14 +86,18 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
                            ignore_index=data.IGNORE, reduction="sum")
 
 
-def lm_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def lm_loss_sum(model, batch: dict[str, torch.Tensor | int], sync_free: bool = False) -> torch.Tensor:
     """The batch's summed next-token loss from the decoder's hidden states, in chunks
     (train/loss.py: no [tokens, vocab] logits)."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
+    if "attention_mask" in inputs and model.config._attn_implementation == train_attention.NAME:
+        # transformers hands a custom attention no padding mask: padding would be attended to
+        raise ValueError("a padded batch for loraplex's training attention, which bounds packed rows only")
     # No KV cache: transformers bounds packed examples' attention only without one.
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    return chunked_loss_sum(hidden, model.get_output_embeddings().weight, batch["labels"], softcap)
+    return chunked_loss_sum(hidden, model.get_output_embeddings().weight, batch["labels"], softcap,
+                            sync_free=sync_free)
 
 
 def _schedule(cfg: TrainConfig, total: int):
@@ -105,19 +118,25 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
-def training_attention(model_dir: str, device: torch.device) -> str | None:
-    """transformers' attention implementation to train with: its default (SDPA where the
-    model takes it), but FlexAttention on a GPU for models whose only other choice is
-    eager attention (gpt-oss: sinks), which would hold [heads, tokens, tokens] scores
-    (64 x 4K x 4K floats a layer at 4K tokens). Flex keeps the sliding windows as block
-    masks and adds the sinks through the log-sum-exp."""
+def training_attention(model_dir: str, device: torch.device, packing: bool | None = None) -> str | None:
+    """The attention implementation to train with (None: transformers' default):
+    - loraplex's (train/attention.py: causal rows bounded by the packed examples, cuDNN /
+      flash kernels, no masks, no host syncs) for packed rows of models that take SDPA
+      and have neither sinks nor softcapped attention logits;
+    - FlexAttention on a GPU for models whose only other choice is eager attention
+      (gpt-oss: sinks), which would hold [heads, tokens, tokens] scores (64 x 4K x 4K
+      floats a layer at 4K tokens). Flex keeps the sliding windows as block masks and
+      adds the sinks through the log-sum-exp;
+    - otherwise transformers' default (padded batches: SDPA with their mask)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if device.type != "cuda":
-        return None
     config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if cls is None or getattr(cls, "_supports_sdpa", True) or not getattr(cls, "_supports_flex_attn", False):
+    sdpa = cls is None or getattr(cls, "_supports_sdpa", True)
+    if packing is not False and sdpa and getattr(text, "attn_logit_softcapping", None) is None:
+        return train_attention.register()
+    if device.type != "cuda" or sdpa or not getattr(cls, "_supports_flex_attn", False):
         return None
     return "flex_attention"
 
@@ -129,7 +148,7 @@ def load_model(cfg: TrainConfig):
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    attention = training_attention(cfg.model, device)
+    attention = training_attention(cfg.model, device, cfg.packing)
     if cfg.quantization or is_quantized_checkpoint(cfg.model):
         model = load_quantized_base(cfg.model, device, dtype, cfg.quantization, attn_implementation=attention)
     else:
@@ -140,37 +159,63 @@ def load_model(cfg: TrainConfig):
 
 
 def prepare(model, cfg: TrainConfig):
-    """Inject LoRA (seeded), routing replay and gradient checkpointing -> (spec, wrapped)."""
+    """Inject LoRA (seeded), routing replay, fused norms and gradient checkpointing ->
+    (spec, wrapped)."""
     param = next(model.parameters())
     spec = LoRASpec(cfg.rank, float(cfg.alpha if cfg.alpha is not None else 2 * cfg.rank),
                     tuple(cfg.targets or default_targets(model)), cfg.rslora)
     torch.manual_seed(cfg.seed)
     wrapped = inject_lora(model, spec, resolve_backend(cfg.moe_backend, param.device, param.dtype))
     install_routing_replay(model)
+    install_fused_norms(model)
     if cfg.gradient_checkpointing:
-        enable_checkpointing(model)
+        enable_checkpointing(model, preserve_rng_state=not uses_graphs(model, cfg))
     return spec, wrapped
 
 
-def enable_checkpointing(model) -> None:
-    """Recompute each decoder layer in backward (torch's non-reentrant checkpoint)."""
+def uses_graphs(model, cfg: TrainConfig) -> bool:
+    """Whether micro-steps replay CUDA graphs: on a GPU where train/attention.py bounds
+    the rows (transformers' masks read the host), unless cfg.cuda_graph says no."""
+    able = next(model.parameters()).is_cuda and model.config._attn_implementation == train_attention.NAME
+    if cfg.cuda_graph and not able:
+        raise ValueError("--cuda-graph needs a GPU and packed rows of a model loraplex's training attention "
+                         "takes (no attention sinks or softcapping)")
+    return able if cfg.cuda_graph is None else cfg.cuda_graph
+
+
+def enable_checkpointing(model, preserve_rng_state: bool = True) -> None:
+    """Recompute each decoder layer in backward (torch's non-reentrant checkpoint). A
+    CUDA graph cannot read the generator's state to the host: with graphs the recompute
+    does not replay random draws (LoRA training here draws none)."""
+    kwargs = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def accumulate(model, batches: list[dict[str, torch.Tensor]]) -> float:
-    """Forward + backward of a step's micro-batches; returns the step's mean token loss."""
+def accumulate(model, batches: list[dict[str, torch.Tensor | int]],
+               graphed: GraphedSteps | None = None) -> float:
+    """Forward + backward of a step's micro-batches (replayed from `graphed`'s CUDA graphs
+    if given); returns the step's mean token loss."""
     n_trained = max(1, sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in batches))
     device = next(model.parameters()).device
     total = 0.0
     for b in batches:
-        b = {k: v.to(device) for k, v in b.items()}
+        b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()
+             if k in MODEL_INPUTS or k == "labels"}
+        if graphed is not None:
+            b["loss_scale"] = torch.tensor(1.0 / n_trained, device=device)
+            total += graphed(b).item()
+            continue
         loss = lm_loss_sum(model, b) / n_trained
         loss.backward()
         total += loss.item()
     return total
+
+
+def graphed_steps(model, params: list[torch.nn.Parameter]) -> GraphedSteps:
+    return GraphedSteps(lambda b: lm_loss_sum(model, b, sync_free=True) * b["loss_scale"], params)
 
 
 def train(cfg: TrainConfig) -> list[float]:
@@ -202,15 +247,20 @@ def train(cfg: TrainConfig) -> list[float]:
     def epoch(e: int) -> list[list[int]]:
         return data.epoch_batches(len(examples), cfg.batch_size, cfg.seed, e)
 
+    bounded = model.config._attn_implementation == train_attention.NAME  # rows bounded by cu_seq_lens
     packing = cfg.packing is not False and packing_supported(model)
     if cfg.packing and not packing:
         raise ValueError(f"--packing: {type(model).__name__} in transformers lets packed examples attend "
                          "across their boundaries; train with --no-packing")
+    graphed = graphed_steps(model, params) if uses_graphs(model, cfg) else None
 
-    def micro_batch(m: int) -> dict[str, torch.Tensor]:
+    def micro_batch(m: int) -> dict[str, torch.Tensor | int]:
         e, pos = divmod(m, per_epoch)
         chosen = [examples[i] for i in epoch(e)[pos]]
-        return data.pack(chosen) if packing else data.collate(chosen, pad_id)
+        if graphed is not None:  # a few fixed shapes: rows padded, boundaries in batch_size + 1 slots
+            length = row_length(sum(len(x.input_ids) for x in chosen))
+            return data.pack(chosen, bounds=True, length=length, slots=cfg.batch_size + 1, pad_id=pad_id)
+        return data.pack(chosen, bounds=bounded) if packing else data.collate(chosen, pad_id)
 
     from tqdm.auto import tqdm
 
@@ -221,7 +271,7 @@ def train(cfg: TrainConfig) -> list[float]:
         t0 = time.perf_counter()
         ms = range(step * cfg.grad_accum, min((step + 1) * cfg.grad_accum, micro_total))
         batches = [micro_batch(m) for m in ms]
-        loss = accumulate(model, batches)
+        loss = accumulate(model, batches, graphed)
         if cfg.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = sched.get_last_lr()[0]
@@ -255,9 +305,11 @@ def packing_supported(model) -> bool:
     boundary's logits by far more than the rounding of another batch shape."""
     device = next(model.parameters()).device
     first, second = torch.arange(3, 10, device=device), torch.arange(11, 16, device=device)
-    packed = data.pack([data.Example(x.tolist(), x.tolist()) for x in (first, second)])
+    bounded = model.config._attn_implementation == train_attention.NAME
+    packed = data.pack([data.Example(x.tolist(), x.tolist()) for x in (first, second)], bounds=bounded)
     alone = model(input_ids=second[None], use_cache=False).logits[0].float()
-    inputs = {k: v.to(device) for k, v in packed.items() if k != "labels"}
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()
+              if k in MODEL_INPUTS}
     together = model(**inputs, use_cache=False).logits[0, len(first):].float()
     return bool((together - alone).abs().max() <= 0.05 * alone.abs().max())
 
