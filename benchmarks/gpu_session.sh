@@ -170,8 +170,10 @@ for step in $STEPS; do
     slot-load)  # RESULTS: "Slot loads"
       run slot-load 100 slot_load --out "$OUT/slot-load.json" ;;
     train-moe)  # RESULTS: "Training: LoRA on MoE experts" (one step, Qwen3-30B-A3B-shaped layers, vs PEFT)
-      run train-moe 200 train_moe --layers 2 --seq-lens 1024 4096 16384 --repeats 10 --out "$OUT/train-moe.json" | tail -8
+      run train-moe 400 train_moe --layers 2 --seq-lens 1024 4096 16384 --repeats 10 \
+        --sides loraplex loraplex-graph peft --out "$OUT/train-moe.json" | tail -14
       run train-moe-only 200 train_moe --layers 2 --seq-lens 1024 4096 16384 --moe-only --repeats 15 \
+        --sides loraplex peft \
         --out "$OUT/train-moe-only.json" | tail -8 ;;
     train-quant)  # RESULTS: "Training whole models" (gpt-oss-20b from MXFP4: peak memory, step time)
       run train-quant 400 train_model --model gpt-oss-20b --quantization mxfp4 --seq-lens ${SEQ:-1024 4096} \

@@ -1,20 +1,24 @@
 """One LoRA training step on Qwen3-30B-A3B-shaped MoE layers: loraplex vs transformers + PEFT.
 
-Both train rank-16 LoRA on every expert's gate_up and down projections (PEFT:
-`target_parameters`) of the same model: Qwen3-30B-A3B's layer shapes (128 experts, top-8,
-hidden 2048, expert intermediate 768), --layers of them, a small vocabulary (the LM head
-is not what is measured), dummy weights in bf16. Per sequence length: median time of a
-forward + backward over --repeats steps after a warm-up step, and peak GPU memory.
+Both train rank-16 LoRA on q/k/v/o and every expert's gate_up and down projections
+(PEFT: `target_modules` and `target_parameters`; --experts-only: the experts alone) of the
+same model: Qwen3-30B-A3B's layer shapes (128 experts, top-8, hidden 2048, expert
+intermediate 768), --layers of them, a small vocabulary (the LM head is not what is
+measured), dummy weights in bf16. Per sequence length: median time of a forward +
+backward over --repeats steps after a warm-up step, and peak GPU memory.
 
-    python -m benchmarks.train_moe [--layers 2] [--seq-lens 1024 4096 16384] [--moe-only]
+    python -m benchmarks.train_moe [--layers 2] [--seq-lens 1024 4096 16384] \
+        [--sides loraplex loraplex-graph peft] [--moe-only]
 
+The whole step: PEFT runs transformers' model with its own loss (SDPA attention);
+loraplex runs `loraplex train`'s micro-step (trainer.prepare: its LoRA, routing replay,
+fused norms; its attention for packed rows; the chunked loss), eager (`loraplex`) or
+replayed from a CUDA graph (`loraplex-graph`, what `loraplex train` does on a GPU).
 --moe-only times the MoE blocks alone (router + experts of every layer, forward and
-backward to their input, from a random hidden state): the part LoRA-on-experts training
-changes. Without it the step is the whole model's, attention included, which is the
-same code (transformers' SDPA) on both sides and grows with the square of the length.
---breakdown times one layer's primitives (eager, CUDA events), --profile prints both
-sides' kernel tables, --host-profile and --check-syncs look at loraplex's host side.
---tiny --device cpu is a smoke test.
+backward to their input, from a random hidden state; eager sides only): the part
+LoRA-on-experts training changes. --breakdown times one layer's primitives (eager, CUDA
+events), --profile prints both sides' kernel tables, --host-profile and --check-syncs
+look at loraplex's host side. --tiny --device cpu is a smoke test.
 
 Figure: benchmarks/RESULTS.md, "Training: LoRA on MoE experts".
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 from benchmarks import harness
 
 RANK, ALPHA = 16, 32
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # LoRA targets besides the experts
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
 
@@ -45,7 +50,7 @@ def build(layers: int, tiny: bool):
     return cfg
 
 
-def make(cfg, which: str, device, dtype):
+def make(cfg, which: str, device, dtype, attention: tuple[str, ...] = ATTENTION):
     import torch
     import transformers
 
@@ -56,31 +61,46 @@ def make(cfg, which: str, device, dtype):
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(
-            r=RANK, lora_alpha=ALPHA, target_modules=[], init_lora_weights=False,
+            r=RANK, lora_alpha=ALPHA, target_modules=list(attention), init_lora_weights=False,
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    else:
-        from loraplex.train.lora import LoRASpec, inject_lora
-        from loraplex.train.moe import resolve_backend
-        from loraplex.train.routing import install_routing_replay
+    else:  # `loraplex train`'s model: its LoRA, routing replay, fused norms, attention for packed rows
+        from loraplex.train.attention import register
+        from loraplex.train.trainer import TrainConfig, prepare
 
-        inject_lora(model, LoRASpec(RANK, ALPHA, ("experts",)), resolve_backend("auto", device, dtype))
-        install_routing_replay(model)
+        model.set_attn_implementation(register())
+        prepare(model, TrainConfig("", "", "", rank=RANK, alpha=ALPHA, targets=[*attention, "experts"]))
     return model
 
 
-def step_time(model, seq_len: int, repeats: int, device) -> tuple[float, float]:
-    """Median ms of a forward + backward of the whole model on one sequence, and peak GiB."""
+def step_time(model, seq_len: int, repeats: int, device, graph: bool = False) -> tuple[float, float]:
+    """Median ms of a forward + backward of the whole model on one sequence, and peak GiB.
+    PEFT: the model's own loss. loraplex: `loraplex train`'s micro-step (its attention,
+    the chunked loss), eager or replayed from a CUDA graph (train/graphed.py)."""
     import torch
+
+    from loraplex.train import data
+    from loraplex.train.trainer import graphed_steps, lm_loss_sum
 
     ids = torch.randint(0, 1024, (1, seq_len), device=device)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    ms = harness.wall_ms(step, repeats, warmup=1, after=lambda: model.zero_grad(set_to_none=True))
+    if hasattr(model, "get_base_model"):  # PEFT
+        ms = harness.wall_ms(lambda: model(input_ids=ids, labels=ids).loss.backward(), repeats, warmup=1,
+                             after=lambda: model.zero_grad(set_to_none=True))
+    else:
+        batch = data.pack([data.Example(ids[0].tolist(), ids[0].tolist())], bounds=True)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+                 if k != "tokens"}
+        batch["loss_scale"] = torch.tensor(1.0 / (seq_len - 1), device=device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if graph:
+            steps = graphed_steps(model, params)
+            ms = harness.wall_ms(lambda: steps(batch), repeats, warmup=1,
+                                 after=lambda: model.zero_grad(set_to_none=True))
+        else:
+            ms = harness.wall_ms(lambda: (lm_loss_sum(model, batch) * batch["loss_scale"]).backward(),
+                                 repeats, warmup=1, after=lambda: model.zero_grad(set_to_none=True))
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
     return ms, peak
 
@@ -209,6 +229,11 @@ def build_parser():
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--moe-only", action="store_true", help="time the MoE blocks alone")
+    p.add_argument("--experts-only", action="store_true", help="LoRA on the experts alone (not attention)")
+    p.add_argument("--sides", nargs="+", default=["loraplex-graph", "peft"],
+                   choices=["loraplex", "loraplex-graph", "peft"],
+                   help="what runs: loraplex eager, loraplex's step from a CUDA graph (whole model "
+                        "only; on a GPU), transformers + PEFT")
     p.add_argument("--breakdown", action="store_true", help="time one layer's primitives (CUDA)")
     p.add_argument("--profile", action="store_true", help="kernel table of the MoE-only step, both sides")
     p.add_argument("--host-profile", action="store_true", help="cProfile of loraplex's MoE-only steps")
@@ -224,6 +249,9 @@ def main(argv=None):
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = build(args.layers, args.tiny)
+    attention = () if args.experts_only else ATTENTION
+    if args.moe_only and "loraplex-graph" in args.sides:
+        build_parser().error("--moe-only times eager sides: --sides loraplex peft")
     if args.breakdown:
         for s in args.seq_lens:
             breakdown(cfg, s, device, dtype)
@@ -245,21 +273,29 @@ def main(argv=None):
     if args.check_syncs:
         import warnings
 
-        model = make(cfg, "loraplex", device, dtype)
-        moe_step_time(model, cfg, args.seq_lens[0], 1, device, dtype)
+        model = make(cfg, "loraplex", device, dtype, attention)
+
+        def one_step(model=model):
+            if args.moe_only:
+                moe_step_time(model, cfg, args.seq_lens[0], 1, device, dtype)
+            else:
+                model(input_ids=ids, labels=ids).loss.backward()
+
+        ids = torch.randint(0, 1024, (1, args.seq_lens[0]), device=device)
+        one_step()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-            moe_step_time(model, cfg, args.seq_lens[0], 1, device, dtype)
+            one_step()
             torch.cuda.set_sync_debug_mode(0)
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        print(f"{len(syncs)} implicit host syncs in one MoE-only step")
+        print(f"{len(syncs)} implicit host syncs in one {'MoE-only' if args.moe_only else 'whole'} step")
         for w in syncs:
             print(" ", w.filename, w.lineno, str(w.message)[:100])
         return
     rows = []
-    for which in ("loraplex", "peft"):
-        model = make(cfg, which, device, dtype)
+    for which in args.sides:
+        model = make(cfg, which.removesuffix("-graph"), device, dtype, attention)
         if args.profile:
             for s in args.seq_lens:
                 profile(model, cfg, which, s, device, dtype)
@@ -269,12 +305,12 @@ def main(argv=None):
         for s in args.seq_lens:
             try:
                 ms, peak = (moe_step_time(model, cfg, s, args.repeats, device, dtype) if args.moe_only
-                            else step_time(model, s, args.repeats, device))
+                            else step_time(model, s, args.repeats, device, which.endswith("-graph")))
             except torch.OutOfMemoryError:
                 ms, peak = float("nan"), float("nan")
                 torch.cuda.empty_cache()
             rows.append((which, s, ms, peak, base))
-            print(f"{which:9s} seq {s:6d}: {ms:9.1f} ms/step, peak {peak:6.2f} GiB (weights {base:.2f} GiB)",
+            print(f"{which:14s} seq {s:6d}: {ms:9.1f} ms/step, peak {peak:6.2f} GiB (weights {base:.2f} GiB)",
                   flush=True)
         del model
         if device.type == "cuda":
@@ -282,14 +318,15 @@ def main(argv=None):
     if args.profile:
         return
     print(f"\n{'MoE blocks alone' if args.moe_only else 'whole model'}, {args.layers} layers")
-    print("\n| seq len | loraplex ms | PEFT ms | speedup | loraplex peak GiB | PEFT peak GiB "
-          "| memory saved |")
-    print("|---|---|---|---|---|---|---|")
-    for s in args.seq_lens:
-        a = next(r for r in rows if r[0] == "loraplex" and r[1] == s)
-        b = next(r for r in rows if r[0] == "peft" and r[1] == s)
-        print(f"| {s} | {a[2]:.1f} | {b[2]:.1f} | {b[2] / a[2]:.2f}x | {a[3]:.2f} | {b[3]:.2f} "
-              f"| {1 - a[3] / b[3]:.0%} |")
+    for side in (w for w in args.sides if w != "peft" and "peft" in args.sides):
+        print(f"\n| seq len | {side} ms | PEFT ms | speedup | {side} peak GiB | PEFT peak GiB "
+              "| memory saved |")
+        print("|---|---|---|---|---|---|---|")
+        for s in args.seq_lens:
+            a = next(r for r in rows if r[0] == side and r[1] == s)
+            b = next(r for r in rows if r[0] == "peft" and r[1] == s)
+            print(f"| {s} | {a[2]:.1f} | {b[2]:.1f} | {b[2] / a[2]:.2f}x | {a[3]:.2f} | {b[3]:.2f} "
+                  f"| {1 - a[3] / b[3]:.0%} |")
     harness.write_json(args.out, [dict(side=w, seq_len=s, ms=ms, peak_gib=peak, weights_gib=base)
                                   for w, s, ms, peak, base in rows], args)
 
