@@ -26,16 +26,20 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats import Fp8Weight, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.moe_epilogue import store_pairs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import format_args, fp8_cols, mxfp4_bf16_cols, mxfp4_cols, mxfp4_path
 
-# Untuned (no GPU at hand when written): [BLOCK_K, BLOCK_N] float32 accumulators, two
-# with the fused activation, of 32 values per thread at 4 warps.
+# [BLOCK_K, BLOCK_N] float32 accumulators, two with the fused activation. FP8 with the
+# fused activation takes 8 warps (FP8_GATE_UP_WARPS): Qwen3-30B-A3B's gate/up at 16 tokens
+# (128 pairs, ~81 experts hit), H100: 203.5 us at 4 warps, 139.3 at 8 (the bytes alone:
+# 77.9); its down projection stays fastest at 4 (71.4 us; 8: 74.7). Sweep of BLOCK_N 16-64,
+# BLOCK_K 64-256, 2-8 warps: `benchmarks/LOG.md`, "FP8 expert GEMV configs".
 GEMV_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4)
+FP8_GATE_UP_WARPS = 8
 
 
 @triton.jit
@@ -140,6 +144,8 @@ def moe_gemv_quant(
     # A K step dividing K where one does: unmasked rows, 16-byte loads (gpt-oss: 2880 = 45 x 64).
     block_k = next((b for b in (GEMV_CONFIG["BLOCK_K"], 64, 32) if k % b == 0), GEMV_CONFIG["BLOCK_K"])
     cfg = dict(GEMV_CONFIG, BLOCK_K=block_k)
+    if activation is not None and isinstance(w, Fp8Weight):
+        cfg["num_warps"] = FP8_GATE_UP_WARPS
     grid = (num_pairs, triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemv_quant_kernel[grid](
         a, w.data, w.scale, bias if bias is not None else a, out,
