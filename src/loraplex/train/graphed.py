@@ -22,9 +22,12 @@ What capture needs, and what replay then means:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = 2  # eager steps before capture: Triton compiles, cuBLAS workspaces, autotuning
 
@@ -39,6 +42,11 @@ def row_length(tokens: int) -> int:
     while n < tokens:
         n = n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3
     return n
+
+
+class NotCapturable(RuntimeError):
+    """The step waits for the host (e.g. a per-expert loop reading its row counts, a
+    quantized base's expert slices): a graph cannot hold it."""
 
 
 class CapturedStep:
@@ -57,10 +65,22 @@ class CapturedStep:
         side = side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-            for _ in range(WARMUP_STEPS):
+            for i in range(WARMUP_STEPS):
                 for p in params:
                     p.grad = None
-                loss_fn(self.inputs).backward()
+                # The last warm-up may not wait for the host, as the captured step could not.
+                torch.cuda.set_sync_debug_mode("error" if i == WARMUP_STEPS - 1 else 0)
+                try:
+                    loss_fn(self.inputs).backward()
+                except RuntimeError as err:
+                    if "synchroniz" not in str(err):
+                        raise
+                    torch.cuda.current_stream().wait_stream(side)
+                    for p, g in zip(params, held, strict=True):
+                        p.grad = g
+                    raise NotCapturable(str(err)) from err
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
         torch.cuda.current_stream().wait_stream(side)
         for p in params:
             p.grad = None
@@ -95,7 +115,8 @@ class GraphedSteps:
     The captured backward allocates each gradient late, as eager autograd does, so the
     pool reuses activations' memory for it and a step's peak is the eager step's. After a
     first micro-step `.grad` is the graph's own tensor (no copy); a second one, of any
-    shape, first copies the gradients out of the pool and then adds its own to them."""
+    shape, first copies the gradients out of the pool and then adds its own to them.
+    A step that waits for the host (NotCapturable) runs eagerly from then on."""
 
     def __init__(self, loss_fn: Callable[[Batch], torch.Tensor], params: list[torch.nn.Parameter]):
         self.loss_fn, self.params = loss_fn, params
@@ -103,20 +124,30 @@ class GraphedSteps:
         self.pool = None
         self.side = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.in_pool: list[torch.Tensor] = []  # the .grad tensors that are a graph's outputs
+        self.eager = False
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         key = tuple((k, tuple(v.shape) if isinstance(v, torch.Tensor) else v)
                     for k, v in sorted(batch.items()))
-        if key not in self.steps:
-            self.steps[key] = CapturedStep(self.loss_fn, self.params, batch, self.pool, self.side)
-            self.pool = self.pool or self.steps[key].graph.pool()
-        step = self.steps[key]
         mine = {id(g) for g in self.in_pool}
-        for p in self.params:  # gradients the replay would overwrite: out of the pool first
+        for p in self.params:  # gradients a replay would overwrite: out of the pool first
             if p.grad is not None and id(p.grad) in mine:
                 p.grad = p.grad.clone()
-        loss = step.replay(batch)
         self.in_pool = []
+        if key not in self.steps and not self.eager:
+            try:
+                self.steps[key] = CapturedStep(self.loss_fn, self.params, batch, self.pool, self.side)
+                self.pool = self.pool or self.steps[key].graph.pool()
+            except NotCapturable as err:
+                logger.warning("training steps run eagerly: the step waits for the host (%s)",
+                               str(err).splitlines()[0][:200])
+                self.eager = True
+        if self.eager:
+            loss = self.loss_fn(batch)
+            loss.backward()
+            return loss.detach()
+        step = self.steps[key]
+        loss = step.replay(batch)
         for p, g in zip(self.params, step.grads, strict=True):
             if g is None:
                 continue

@@ -24,10 +24,11 @@ from loraplex.train import attention as train_attention
 from loraplex.train import data
 from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from loraplex.train.graphed import GraphedSteps, row_length
-from loraplex.train.lora import LoRASpec, default_targets, inject_lora, lora_parameters
+from loraplex.train.lora import LoRAExperts, LoRASpec, default_targets, inject_lora, lora_parameters
 from loraplex.train.loss import chunked_loss_sum
 from loraplex.train.moe import resolve_backend
 from loraplex.train.norms import install_fused_norms
+from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 from loraplex.train.quantized_base import is_quantized_checkpoint, load_quantized_base
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
@@ -175,11 +176,18 @@ def prepare(model, cfg: TrainConfig):
 
 def uses_graphs(model, cfg: TrainConfig) -> bool:
     """Whether micro-steps replay CUDA graphs: on a GPU where train/attention.py bounds
-    the rows (transformers' masks read the host), unless cfg.cuda_graph says no."""
-    able = next(model.parameters()).is_cuda and model.config._attn_implementation == train_attention.NAME
+    the rows (transformers' masks read the host), unless cfg.cuda_graph says no. Steps
+    known to wait for the host are left eager: the per-expert loop reads each expert's
+    row count, a quantized base's experts are made a slice at a time from them. (A step
+    that turns out to wait anyway runs eagerly too: graphed.NotCapturable.)"""
+    host_bound = any(isinstance(m, LoRAExperts) and m.backend == "loop" for m in model.modules()) or any(
+        isinstance(m, QuantizedLinear) or isinstance(getattr(m, "gate_up_proj", None), FrozenWeight)
+        for m in model.modules())
+    able = (next(model.parameters()).is_cuda and model.config._attn_implementation == train_attention.NAME
+            and not host_bound)
     if cfg.cuda_graph and not able:
-        raise ValueError("--cuda-graph needs a GPU and packed rows of a model loraplex's training attention "
-                         "takes (no attention sinks or softcapping)")
+        raise ValueError("--cuda-graph needs a GPU, packed rows of a model loraplex's training attention "
+                         "takes (no attention sinks or softcapping), grouped expert GEMMs and a bf16 base")
     return able if cfg.cuda_graph is None else cfg.cuda_graph
 
 
