@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.triton.precision import INTERPRETED
+from loraplex.ops.triton.quant_tiles import operand
 
 
 @triton.jit
@@ -109,16 +110,6 @@ TRAIN_MODES = {"llama": 0, "fp32_weight": 1, "unit_offset": 2}
 
 
 @triton.jit
-def _rounded(v, dtype, UPCAST: tl.constexpr):
-    """float32 v rounded to nearest (even) in `dtype`, as float32 again. UPCAST (the
-    interpreter, whose float32 -> bf16 cast truncates): bf16's rounding on the bits."""
-    if UPCAST and dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return v.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _rms_norm_train_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, eps, stride_x, stride_y,
     MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -127,19 +118,17 @@ def _rms_norm_train_kernel(
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < R
     mask = row_mask[:, None] & (cols < N)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    dtype = x.dtype
-    x = x.to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     xhat = x * rstd[:, None]
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if MODE == 0:  # Llama: xhat rounded to x's dtype, then times w
-        y = _rounded(xhat, dtype, UPCAST) * w
+        y = operand(xhat, x_ptr, UPCAST).to(tl.float32) * w
     elif MODE == 1:  # gpt-oss: w * xhat in float32
         y = xhat * w
     else:  # Gemma: (1 + w) in float32
         y = xhat * (1.0 + w)
-    y = _rounded(y, y_ptr.dtype.element_ty, UPCAST)
+    y = operand(y, y_ptr, UPCAST)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
@@ -164,7 +153,7 @@ def _rms_norm_backward_kernel(
         gxhat = g * w
     xhat = x * rstd
     dx = rstd * (gxhat - xhat * (tl.sum(gxhat * xhat, axis=1) / N)[:, None])
-    dx = _rounded(dx, dx_ptr.dtype.element_ty, UPCAST)
+    dx = operand(dx, dx_ptr, UPCAST)
     tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
