@@ -79,7 +79,7 @@ def step_time(model, seq_len: int, repeats: int, device, graph: bool = False) ->
     import torch
 
     from loraplex.train import data
-    from loraplex.train.trainer import graphed_steps, lm_loss_sum
+    from loraplex.train.trainer import graphed_steps, lm_loss_sum, to_device
 
     ids = torch.randint(0, 1024, (1, seq_len), device=device)
     cuda = device.type == "cuda"
@@ -89,9 +89,7 @@ def step_time(model, seq_len: int, repeats: int, device, graph: bool = False) ->
         ms = harness.wall_ms(lambda: model(input_ids=ids, labels=ids).loss.backward(), repeats, warmup=1,
                              after=lambda: model.zero_grad(set_to_none=True))
     else:
-        batch = data.pack([data.Example(ids[0].tolist(), ids[0].tolist())], bounds=True)
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-                 if k != "tokens"}
+        batch = to_device(data.pack([data.Example(ids[0].tolist(), ids[0].tolist())], bounds=True), device)
         batch["loss_scale"] = torch.tensor(1.0 / (seq_len - 1), device=device)
         params = [p for p in model.parameters() if p.requires_grad]
         if graph:

@@ -104,6 +104,11 @@ def _reference(query, key, value, cu, scaling, window):
     return torch.cat(out, dim=2).transpose(1, 2)
 
 
+def in_use(model) -> bool:
+    """Whether `model` attends through this function (its rows bounded by cu_seq_lens)."""
+    return model.config._attn_implementation == NAME
+
+
 def register() -> str:
     """Make NAME an attn_implementation transformers accepts (idempotent); returns NAME."""
     from transformers import AttentionInterface

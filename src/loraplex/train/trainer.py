@@ -80,6 +80,11 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", 
                 "max_length_q", "max_length_k")
 
 
+def to_device(batch: dict[str, torch.Tensor | int], device, keys=(*MODEL_INPUTS, "labels")) -> dict:
+    """The batch's entries named in `keys`, tensors moved to `device` (ints as they are)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k in keys}
+
+
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed cross entropy of each token predicting the next labelled one, from whole
     logits: the definition lm_loss_sum computes in chunks (tests compare the two)."""
@@ -91,7 +96,7 @@ def lm_loss_sum(model, batch: dict[str, torch.Tensor | int], sync_free: bool = F
     """The batch's summed next-token loss from the decoder's hidden states, in chunks
     (train/loss.py: no [tokens, vocab] logits)."""
     inputs = {k: v for k, v in batch.items() if k in MODEL_INPUTS}
-    if "attention_mask" in inputs and model.config._attn_implementation == train_attention.NAME:
+    if "attention_mask" in inputs and train_attention.in_use(model):
         # transformers hands a custom attention no padding mask: padding would be attended to
         raise ValueError("a padded batch for loraplex's training attention, which bounds packed rows only")
     # No KV cache: transformers bounds packed examples' attention only without one.
@@ -180,11 +185,9 @@ def uses_graphs(model, cfg: TrainConfig) -> bool:
     known to wait for the host are left eager: the per-expert loop reads each expert's
     row count, a quantized base's experts are made a slice at a time from them. (A step
     that turns out to wait anyway runs eagerly too: graphed.NotCapturable.)"""
-    host_bound = any(isinstance(m, LoRAExperts) and m.backend == "loop" for m in model.modules()) or any(
-        isinstance(m, QuantizedLinear) or isinstance(getattr(m, "gate_up_proj", None), FrozenWeight)
-        for m in model.modules())
-    able = (next(model.parameters()).is_cuda and model.config._attn_implementation == train_attention.NAME
-            and not host_bound)
+    host_bound = any((isinstance(m, LoRAExperts) and m.backend == "loop") or isinstance(m, QuantizedLinear)
+                     or isinstance(getattr(m, "gate_up_proj", None), FrozenWeight) for m in model.modules())
+    able = next(model.parameters()).is_cuda and train_attention.in_use(model) and not host_bound
     if cfg.cuda_graph and not able:
         raise ValueError("--cuda-graph needs a GPU, packed rows of a model loraplex's training attention "
                          "takes (no attention sinks or softcapping), grouped expert GEMMs and a bf16 base")
@@ -210,8 +213,7 @@ def accumulate(model, batches: list[dict[str, torch.Tensor | int]],
     device = next(model.parameters()).device
     total = 0.0
     for b in batches:
-        b = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()
-             if k in MODEL_INPUTS or k == "labels"}
+        b = to_device(b, device)
         if graphed is not None:
             b["loss_scale"] = torch.tensor(1.0 / n_trained, device=device)
             total += graphed(b).item()
@@ -255,7 +257,7 @@ def train(cfg: TrainConfig) -> list[float]:
     def epoch(e: int) -> list[list[int]]:
         return data.epoch_batches(len(examples), cfg.batch_size, cfg.seed, e)
 
-    bounded = model.config._attn_implementation == train_attention.NAME  # rows bounded by cu_seq_lens
+    bounded = train_attention.in_use(model)  # rows bounded by cu_seq_lens
     packing = cfg.packing is not False and packing_supported(model)
     if cfg.packing and not packing:
         raise ValueError(f"--packing: {type(model).__name__} in transformers lets packed examples attend "
@@ -313,11 +315,10 @@ def packing_supported(model) -> bool:
     boundary's logits by far more than the rounding of another batch shape."""
     device = next(model.parameters()).device
     first, second = torch.arange(3, 10, device=device), torch.arange(11, 16, device=device)
-    bounded = model.config._attn_implementation == train_attention.NAME
-    packed = data.pack([data.Example(x.tolist(), x.tolist()) for x in (first, second)], bounds=bounded)
+    packed = data.pack([data.Example(x.tolist(), x.tolist()) for x in (first, second)],
+                       bounds=train_attention.in_use(model))
     alone = model(input_ids=second[None], use_cache=False).logits[0].float()
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()
-              if k in MODEL_INPUTS}
+    inputs = to_device(packed, device, MODEL_INPUTS)
     together = model(**inputs, use_cache=False).logits[0, len(first):].float()
     return bool((together - alone).abs().max() <= 0.05 * alone.abs().max())
 
