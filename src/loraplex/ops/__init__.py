@@ -280,6 +280,20 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weig
     return backend_for(x.device).rms_norm_backward(g, x, rstd, weight, mode)
 
 
+def rope_train(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Semantics: x * cos + rotate_half(x) * sin (NeoX half split: rotate_half(x) =
+    cat(-x2, x1)) in float32, rounded once to x's dtype (training; train/rope.py).
+    x [B, H, S, D] of any strides with a unit last one (y has x's layout); cos, sin
+    [B or 1, S, D] as transformers' rotary embeddings make them. Follows x's device."""
+    return backend_for(x.device).rope_train(x, cos, sin)
+
+
+def rope_train_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Semantics: dx of rope_train for the output gradient g: g * cos + r(g * sin), r the
+    transpose of rotate_half (r(v) = cat(v2, -v1)), in float32, rounded once."""
+    return backend_for(g.device).rope_train_backward(g, cos, sin)
+
+
 def rotary_embedding(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     qk_norm: QKNorm | None = None,

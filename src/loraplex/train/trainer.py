@@ -30,6 +30,7 @@ from loraplex.train.moe import resolve_backend
 from loraplex.train.norms import install_fused_norms
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 from loraplex.train.quantized_base import is_quantized_checkpoint, load_quantized_base
+from loraplex.train.rope import install_fused_rope
 from loraplex.train.routing import install_routing_replay
 from loraplex.train.save import save_adapter
 
@@ -165,7 +166,7 @@ def load_model(cfg: TrainConfig):
 
 
 def prepare(model, cfg: TrainConfig):
-    """Inject LoRA (seeded), routing replay, fused norms and gradient checkpointing ->
+    """Inject LoRA (seeded), routing replay, fused norms and RoPE, gradient checkpointing ->
     (spec, wrapped)."""
     param = next(model.parameters())
     spec = LoRASpec(cfg.rank, float(cfg.alpha if cfg.alpha is not None else 2 * cfg.rank),
@@ -174,6 +175,7 @@ def prepare(model, cfg: TrainConfig):
     wrapped = inject_lora(model, spec, resolve_backend(cfg.moe_backend, param.device, param.dtype))
     install_routing_replay(model)
     install_fused_norms(model)
+    install_fused_rope(model)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model, preserve_rng_state=not uses_graphs(model, cfg))
     return spec, wrapped

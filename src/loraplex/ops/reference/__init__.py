@@ -7,6 +7,8 @@ from loraplex.ops.reference.elementwise import (
     rms_norm,
     rms_norm_backward,
     rms_norm_train,
+    rope_train,
+    rope_train_backward,
     rotary_embedding,
     silu_and_mul,
 )
@@ -43,6 +45,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_train",
+    "rope_train",
+    "rope_train_backward",
     "rotary_embedding",
     "silu_and_mul",
     "silu_mul_weighted",

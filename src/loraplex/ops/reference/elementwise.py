@@ -66,6 +66,25 @@ def rotary_embedding(
     return rotate(q), rotate(k)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    h, acc = x.shape[-1] // 2, torch.promote_types(x.dtype, torch.float32)  # float64 stays so (probes)
+    x1, x2, c1, c2, s1, s2 = (t.to(acc) for t in (x[..., :h], x[..., h:], cos[..., :h], cos[..., h:],
+                                                   sin[..., :h], sin[..., h:]))
+    if backward:  # the transposed rotation
+        y = torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), dim=-1)
+    else:
+        y = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    return y.to(x.dtype)
+
+
+def rope_train(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(x, cos[:, None], sin[:, None], backward=False)
+
+
+def rope_train_backward(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return _rotate(g, cos[:, None], sin[:, None], backward=True)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

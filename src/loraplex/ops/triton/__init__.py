@@ -28,6 +28,7 @@ from loraplex.ops.triton.mla_prefill import mla_prefill_attention
 from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm, rms_norm_backward, rms_norm_train
+from loraplex.ops.triton.rope_train import rope_train, rope_train_backward
 from loraplex.ops.triton.rotary import rotary_embedding
 from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
@@ -111,6 +112,8 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_train",
+    "rope_train",
+    "rope_train_backward",
     "rotary_embedding",
     "silu_and_mul",
     "silu_mul_weighted",
