@@ -290,6 +290,11 @@ def test_silu_mul_weighted_forward_backward(p, width, dtype):
                                                    order.cpu())
     torch.testing.assert_close(r_gu32, x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_w32, wx.grad, rtol=1e-5, atol=1e-4)
+    # with pad: the same values in the first columns of wider rows, the pad left alone
+    h_pad = kernel.silu_mul_weighted(gate_up, w, order, pad=8)
+    d_pad, _ = kernel.silu_mul_weighted_backward(g, gate_up, w, order, pad=8)
+    assert h_pad.shape == (p, width + 8) and d_pad.shape == (p, 2 * width + 8)
+    assert torch.equal(h_pad[:, :width], h) and torch.equal(d_pad[:, :2 * width], d_gu)
 
 
 @pytest.mark.parametrize("t, k, width", [(7, 3, 70), (5, 8, 2500)])
@@ -306,6 +311,25 @@ def test_sum_rows_by_token(t, k, width, dtype):
     torch.testing.assert_close(got.float(), ref.sum_rows_by_token(rows, inv, k).float(), rtol=tol, atol=tol)
     want = rows.float()[inv.view(t, k)].sum(1)
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("t, k, width, extra", [(7, 3, 70, 0), (5, 8, 2500, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_rows_to_pairs(t, k, width, extra, dtype):
+    """Each token's row lands on its k sorted rows (the gather before the expert GEMMs),
+    in rows `extra` wider; the oracle is x[tokens]."""
+    import loraplex.ops.triton as kernel
+    from loraplex.ops.reference import train_moe as ref
+
+    gen = torch.Generator().manual_seed(t * k + extra)
+    x = torch.randn(t, width, generator=gen).to(DEVICE, dtype)
+    inv = torch.randperm(t * k, generator=gen).to(DEVICE)  # flat pair -> sorted row
+    tokens = torch.empty_like(inv)
+    tokens[inv] = torch.arange(t * k, device=DEVICE) // k  # sorted row -> its token
+    got = kernel.copy_rows_to_pairs(x, inv, k, extra)
+    assert got.shape == (t * k, width + extra)
+    assert torch.equal(got[:, :width], x[tokens])
+    assert torch.equal(ref.copy_rows_to_pairs(x, inv, k, extra)[:, :width], x[tokens])
 
 
 @pytest.mark.parametrize("counts, n_cols, rank", [

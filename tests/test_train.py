@@ -89,7 +89,7 @@ def _our_model(model_dir, **cfg):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    spec, wrapped = prepare(model, TrainConfig(str(model_dir), "", "", rank=4, alpha=8, **cfg))
+    spec, wrapped = prepare(model, TrainConfig(str(model_dir), "", "", **{"rank": 4, "alpha": 8, **cfg}))
     with torch.no_grad():  # B starts at zero: make every factor matter
         gen = torch.Generator().manual_seed(1)
         for p in lora_parameters(wrapped):
@@ -263,6 +263,58 @@ def test_grouped_mm_backend_matches_loop_in_a_model(moe_dirs):
     assert abs(grads[0][0] - grads[1][0]) < 1e-6
     for key, g in grads[0][1].items():
         torch.testing.assert_close(grads[1][1][key], g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_folded_experts_match_unfolded_and_peft(arch, backend, moe_dirs, tmp_path, monkeypatch):
+    """At rank 8 SwiGLU expert stacks are folded with their LoRA factors (train/moe.py,
+    FoldedStack): the base parameter stays its values (a view of the folded stack), and
+    the loss and LoRA gradients are those of the stacks kept apart and PEFT's, under
+    checkpointing too; Triton's kernels (the interpreter on CPU) write the padded rows."""
+    import functools
+    import importlib
+
+    from loraplex import ops
+    from loraplex.train import trainer
+    from loraplex.train.lora import inject_lora
+
+    if backend == "triton":
+        module = importlib.import_module("loraplex.ops.triton")
+        monkeypatch.setattr(ops, "backend_for", lambda device: module)
+    model_dir = moe_dirs[arch]
+    batch = _batch()
+    model, spec, wrapped = _our_model(model_dir, moe_backend="loop", rank=8, alpha=16)
+    experts = [m for m in wrapped.values() if isinstance(m, LoRAExperts)]
+    assert experts and all(m.fold_rank == 8 for m in experts)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    for path, m in wrapped.items():
+        if isinstance(m, LoRAExperts):
+            for p in ("gate_up_proj", "down_proj"):
+                w = getattr(m.base_layer, p)
+                assert w.data_ptr() == getattr(m, f"{p}_folded").data_ptr()
+                assert torch.equal(w, plain[f"{path}.{p}"])
+    with_room = moe._with_room
+    rows_in_place = []  # gate/up's backward finds its gradient in the wider rows GatedDown left
+    monkeypatch.setattr(moe, "_with_room", lambda t, extra: (
+        room := with_room(t, extra), rows_in_place.append(room is t._base))[0])
+    loss, grads = _loss_and_grads(model, wrapped, batch)
+    assert rows_in_place and all(rows_in_place)
+    monkeypatch.setattr(trainer, "inject_lora", functools.partial(inject_lora, fold_experts=False))
+    apart, _, apart_wrapped = _our_model(model_dir, moe_backend="loop", rank=8, alpha=16)
+    assert all(m.fold_rank == 0 for m in apart_wrapped.values() if isinstance(m, LoRAExperts))
+    want_loss, want = _loss_and_grads(apart, apart_wrapped, batch)
+    assert abs(loss - want_loss) <= 1e-6
+    for key, g in want.items():
+        torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=key)
+    assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
+    enable_checkpointing(model)
+    loss_gc, grads_gc = _loss_and_grads(model, wrapped, batch)
+    assert loss_gc == loss
+    for key, g in grads.items():
+        torch.testing.assert_close(grads_gc[key], g, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt_oss"])

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraplex.train.moe import CombineByToken, ExpertProjection, GatedDown, SortedPairs, sort_pairs
+from loraplex.train.moe import (
+    CombineByToken,
+    ExpertProjection,
+    FoldedStack,
+    GatedDown,
+    SortedPairs,
+    sort_pairs,
+)
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 
 LINEAR_TYPES = (nn.Linear, QuantizedLinear)  # a quantized base's projections (train/quantized.py)
@@ -85,9 +92,14 @@ def _is_silu_gate(experts: nn.Module) -> bool:
 
 
 class LoRAExperts(nn.Module):
-    """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights)."""
+    """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights).
 
-    def __init__(self, base: nn.Module, spec: LoRASpec | None, backend: str = "loop"):
+    SwiGLU experts (Qwen3-MoE, Mixtral) stored [E, out, in] in a plain tensor, at a rank
+    that keeps rows 16-byte aligned (a multiple of 8), are folded (train/moe.py,
+    FoldedStack; `fold=False` keeps them apart): the base parameter becomes a view of the
+    folded stack, same shape and values."""
+
+    def __init__(self, base: nn.Module, spec: LoRASpec | None, backend: str = "loop", fold: bool = True):
         super().__init__()
         self.base_layer, self.backend = base, backend
         self.scale = spec.scale if spec is not None else 0.0  # None: the base alone (quantized experts)
@@ -101,6 +113,18 @@ class LoRAExperts(nn.Module):
             _init_a(a.data)
             setattr(self, f"{p}_A", a)
             setattr(self, f"{p}_B", nn.Parameter(torch.zeros(e, out_f, spec.rank, device=dev)))
+        # Folded stacks are buffers (not saved: the state_dict keeps the base's keys), so
+        # that .to() moves them.
+        self.fold_rank = 0
+        plain = self.silu_gate and not self.transposed and all(
+            type(getattr(base, p)) is nn.Parameter and not getattr(base, p).is_meta
+            and getattr(base, f"{p}_bias", None) is None for p in EXPERT_PARAMS)
+        if fold and plain and spec is not None and spec.rank % 8 == 0:
+            self.fold_rank = spec.rank
+            for p in EXPERT_PARAMS:
+                stack = FoldedStack.around(getattr(base, p).data, spec.rank)
+                self.register_buffer(f"{p}_folded", stack.ext, persistent=False)
+                setattr(base, p, nn.Parameter(stack.view(), requires_grad=False))
 
     def in_out(self, param: str) -> tuple[int, int, int]:
         e, d1, d2 = getattr(self.base_layer, param).shape
@@ -111,7 +135,9 @@ class LoRAExperts(nn.Module):
         LoRA factors A [E, in, r], B [E, r, out] (float32 parameters, as views) of one
         projection."""
         w = getattr(self.base_layer, param)
-        if isinstance(w, FrozenWeight):  # canonical [E, out, in] -> [E, in, out]
+        if self.fold_rank:
+            w = FoldedStack(getattr(self, f"{param}_folded"), self.fold_rank)
+        elif isinstance(w, FrozenWeight):  # canonical [E, out, in] -> [E, in, out]
             w = w.experts(transpose=True)
         else:
             w = w if self.transposed else w.transpose(1, 2)
@@ -131,7 +157,7 @@ class LoRAExperts(nn.Module):
         gate_up = self._project(hidden_states, "gate_up_proj", pairs, gather=True)
         if self.silu_gate and getattr(self.base_layer, "down_proj_bias", None) is None:
             return GatedDown.apply(gate_up, top_k_weights, *self._factors("down_proj"), self.scale, pairs,
-                                   self.backend)
+                                   self.backend, self.fold_rank)  # room for gate/up's s g B
         # gpt-oss (clamped gate, biases; the bias is weighted too, as transformers does)
         weights = top_k_weights.reshape(-1)[pairs.order].to(gate_up.dtype)
         y = self._project(self.base_layer._apply_gate(gate_up), "down_proj", pairs) * weights[:, None]
@@ -148,8 +174,10 @@ def default_targets(model: nn.Module) -> tuple[str, ...]:
     return (*attention, *MLP_TARGETS)
 
 
-def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> dict[str, nn.Module]:
-    """Freeze the model and wrap every targeted module in place; module path -> wrapper."""
+def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop",
+                fold_experts: bool = True) -> dict[str, nn.Module]:
+    """Freeze the model and wrap every targeted module in place; module path -> wrapper.
+    fold_experts=False keeps expert stacks and their LoRA factors apart (LoRAExperts)."""
     model.requires_grad_(False)
     linear = set(spec.targets) - {"experts"}
     unknown = linear - set(LINEAR_TARGETS)
@@ -166,7 +194,7 @@ def inject_lora(model: nn.Module, spec: LoRASpec, moe_backend: str = "loop") -> 
         if name.rsplit(".", 1)[-1] in linear and isinstance(module, LINEAR_TYPES):
             wrapped[name] = LoRALinear(module, spec)
         elif "experts" in spec.targets and is_experts(module):
-            wrapped[name] = LoRAExperts(module, spec, moe_backend)
+            wrapped[name] = LoRAExperts(module, spec, moe_backend, fold_experts)
     hit = {n.rsplit(".", 1)[-1] for n, m in wrapped.items() if isinstance(m, LoRALinear)}
     if any(isinstance(m, LoRAExperts) for m in wrapped.values()):
         hit.add("experts")

@@ -19,6 +19,7 @@ from loraplex.ops.reference.quant import dequantize, quantize
 from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.reference.sampling import race_sample
 from loraplex.ops.reference.train_moe import (
+    copy_rows_to_pairs,
     grouped_lora_add,
     silu_mul_weighted,
     silu_mul_weighted_backward,
@@ -26,6 +27,7 @@ from loraplex.ops.reference.train_moe import (
 )
 
 __all__ = [
+    "copy_rows_to_pairs",
     "mla_attention",
     "write_latent_cache",
     "dequantize",

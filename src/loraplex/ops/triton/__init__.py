@@ -27,6 +27,7 @@ from loraplex.ops.triton.mla_decode import mla_decode_attention
 from loraplex.ops.triton.mla_prefill import mla_prefill_attention
 from loraplex.ops.triton.moe_route import route_experts
 from loraplex.ops.triton.paged_attention import paged_attention
+from loraplex.ops.triton.pair_rows import copy_rows_to_pairs
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm, rms_norm_backward, rms_norm_train
 from loraplex.ops.triton.rope_train import rope_train, rope_train_backward
 from loraplex.ops.triton.rotary import rotary_embedding
@@ -94,6 +95,7 @@ def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
 
 
 __all__ = [
+    "copy_rows_to_pairs",
     "mla_attention",
     "write_latent_cache",
     "dequantize",

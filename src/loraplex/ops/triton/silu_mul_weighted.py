@@ -8,7 +8,9 @@ The expert rows of a step are [P, 2I] (P = tokens x top_k: 131K rows at 16K toke
 Qwen3-30B-A3B). Eager torch runs this as silu, mul, mul forward and five kernels plus a
 cat backward, each a full pass over [P, I]; these read gate_up (and the gradient) once
 and write once. Backward writes d gate_up in the [P, 2I] layout the gate/up projection's
-backward takes, and the weight's gradient (a row sum, float32) in the same pass.
+backward takes, and the weight's gradient (a row sum, float32) in the same pass. With
+`pad`, either output's rows have pad more columns that the kernels leave to the caller (a
+folded projection's LoRA intermediate goes there: train/moe.py, FoldedStack).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu,
 
 @triton.jit
 def _backward_kernel(g_ptr, gu_ptr, w_ptr, order_ptr, dgu_ptr, dw_ptr, n_rows, width, stride_g, stride_gu,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_dgu, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, row_ok, pair, w = _row_block(order_ptr, w_ptr, n_rows, ROWS)
     dw = tl.zeros([ROWS], dtype=tl.float32)
     for start in range(0, width, BLOCK):
@@ -65,8 +67,9 @@ def _backward_kernel(g_ptr, gu_ptr, w_ptr, order_ptr, dgu_ptr, dw_ptr, n_rows, w
         dw += tl.sum(g * silu * up, axis=1)
         gw = g * w[:, None]
         d_gate = gw * up * sig * (1.0 + gate * (1.0 - sig))
-        tl.store(dgu_ptr + at, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
-        tl.store(dgu_ptr + at + width, (gw * silu).to(dgu_ptr.dtype.element_ty), mask=m)
+        d_at = rows[:, None] * stride_dgu + cols[None, :]
+        tl.store(dgu_ptr + d_at, d_gate.to(dgu_ptr.dtype.element_ty), mask=m)
+        tl.store(dgu_ptr + d_at + width, (gw * silu).to(dgu_ptr.dtype.element_ty), mask=m)
     tl.store(dw_ptr + pair, dw.to(dw_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -79,22 +82,23 @@ def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
 
-def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.Tensor,
+                      pad: int = 0) -> torch.Tensor:
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1 and weight.is_contiguous() and order.is_contiguous()
-    out = gate_up.new_empty(n, width)
+    out = gate_up.new_empty(n, width + pad)  # the pad columns are the caller's
     _forward_kernel[(triton.cdiv(n, ROWS),)](gate_up, weight, order, out, n, width, gate_up.stride(0),
                                              out.stride(0), ROWS=ROWS, BLOCK=_block(width), num_warps=4)
     return out
 
 
 def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor,
-                               order: torch.Tensor):
+                               order: torch.Tensor, pad: int = 0):
     n, width = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1 and grad.stride(1) == 1 and weight.is_contiguous() and order.is_contiguous()
-    d_gate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    d_gate_up = gate_up.new_empty(n, 2 * width + pad)
     d_weight = torch.empty_like(weight)
     _backward_kernel[(triton.cdiv(n, ROWS),)](grad, gate_up, weight, order, d_gate_up, d_weight, n, width,
-                                              grad.stride(0), gate_up.stride(0),
+                                              grad.stride(0), gate_up.stride(0), d_gate_up.stride(0),
                                               ROWS=ROWS, BLOCK=_block(width), num_warps=4)
     return d_gate_up, d_weight
