@@ -139,14 +139,23 @@ def test_train_packs_rows_bounded_by_its_attention(model_dirs, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graphed_micro_steps_give_the_eager_gradients(model_dirs):
+@pytest.mark.parametrize("arch, checkpointing", [("qwen3", False), ("qwen3moe", True)])
+def test_graphed_micro_steps_give_the_eager_gradients(arch, checkpointing, model_dirs, moe_dirs):
     """On a GPU: micro-steps replayed from CUDA graphs (two row lengths, one pool; the
     gradients of one copied out of the pool before the next replays) give the eager
-    steps' loss and gradients, on capture and on later replays."""
-    from loraplex.train.trainer import graphed_steps
+    steps' loss and gradients, on capture and on later replays; an MoE model at rank 16
+    (folded expert stacks, grouped GEMMs) with its layers recomputed in backward too."""
+    from loraplex.train.lora import LoRAExperts
+    from loraplex.train.trainer import enable_checkpointing, graphed_steps
 
-    model, _, wrapped = _our_model(model_dirs["qwen3"])
+    model, _, wrapped = _our_model(_dir(arch, model_dirs, moe_dirs), rank=16, alpha=32)
     model.to("cuda", torch.bfloat16).set_attn_implementation(attention.register())  # flash: bf16
+    experts = [m for m in wrapped.values() if isinstance(m, LoRAExperts)]
+    assert (arch == "qwen3moe") == bool(experts) and all(m.fold_rank == 16 for m in experts)
+    for m in experts:
+        m.backend = "grouped_mm"  # resolved on the CPU the model was prepared on
+    if checkpointing:
+        enable_checkpointing(model, preserve_rng_state=False)
     params = lora_parameters(wrapped)
     for p in params:  # LoRA factors stay float32
         p.data = p.data.float()
@@ -162,11 +171,38 @@ def test_graphed_micro_steps_give_the_eager_gradients(model_dirs):
         for p in params:
             p.grad = None
         got = accumulate(model, batches, graphed)
-    assert len(graphed.steps) == 2
+    assert len(graphed.steps) == 2 and not graphed.eager  # captured, no fallback
     graph_grads = [p.grad.clone() for p in params]
     assert abs(got - want) <= 1e-3 * abs(want)
     for g, h in zip(grads, graph_grads, strict=True):  # (flash's backward adds with atomics)
         assert (h - g).norm() <= 1e-2 * g.norm()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_steps_that_wait_for_the_host_run_eagerly(moe_dirs):
+    """On a GPU: a step that reads the device from the host (the per-expert loop reads its
+    row counts) cannot be captured: graphed_steps says so once and runs it eagerly, with
+    the eager loss and gradients."""
+    from loraplex.train.trainer import graphed_steps
+
+    model, _, wrapped = _our_model(moe_dirs["qwen3moe"], moe_backend="loop")
+    model.to("cuda", torch.bfloat16).set_attn_implementation(attention.register())
+    params = lora_parameters(wrapped)
+    for p in params:
+        p.data = p.data.float()
+    ids = random_prompts(3, (9, 23), seed=1)
+    batches = [data.pack([data.Example(x, x) for x in ids], bounds=True,
+                         length=row_length(sum(map(len, ids))), slots=4)]
+    want = accumulate(model, batches)
+    grads = [p.grad.clone() for p in params]
+    graphed = graphed_steps(model, params)
+    for p in params:
+        p.grad = None
+    got = accumulate(model, batches, graphed)
+    assert graphed.eager and not graphed.steps
+    assert abs(got - want) <= 1e-3 * abs(want)
+    for g, p in zip(grads, params, strict=True):
+        assert (p.grad - g).norm() <= 1e-2 * g.norm()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's and flash's kernels need a GPU")
