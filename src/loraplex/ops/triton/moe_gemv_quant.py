@@ -11,7 +11,11 @@ alignment), streams its rows' quantized bytes once, dequantizes them in register
 (quant_tiles.py: the values dequantize gives, rounded to the activations' dtype) and
 multiplies them with the activation row in float32 FMAs, accumulated elementwise and
 reduced once (bf16 MXFP4 on a GPU decodes in PTX: quant_tiles.mxfp4_bf16_cols, as the
-grouped GEMM's decode-sized blocks do). Experts hit by several pairs are read once per pair (from L2 after the
+grouped GEMM's decode-sized blocks do). FP8 with block scales takes each step's e4m3
+values as they are, sums their products with x over the step and multiplies the sums
+by the step's scales: the exact products of the stored weights, rounded once at the end
+(within bf16 rounding of dequantize-then-multiply; a one-hot row reads dequantize's
+values back exactly). Experts hit by several pairs are read once per pair (from L2 after the
 first): fused_moe.py takes this form only while the step's pairs are no more than the
 experts. The grid depends on the pair count alone (CUDA graphs).
 
@@ -31,15 +35,28 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.moe_epilogue import store_pairs
 from loraplex.ops.triton.precision import INTERPRETED
-from loraplex.ops.triton.quant_tiles import format_args, fp8_cols, mxfp4_bf16_cols, mxfp4_cols, mxfp4_path
+from loraplex.ops.triton.quant_tiles import (
+    format_args,
+    fp8_cols,
+    mxfp4_bf16_cols,
+    mxfp4_cols,
+    mxfp4_path,
+    operand,
+)
 
-# [BLOCK_K, BLOCK_N] float32 accumulators, two with the fused activation. FP8 with the
-# fused activation takes 8 warps (FP8_GATE_UP_WARPS): Qwen3-30B-A3B's gate/up at 16 tokens
-# (128 pairs, ~81 experts hit), H100: 203.5 us at 4 warps, 139.3 at 8 (the bytes alone:
-# 77.9); its down projection stays fastest at 4 (71.4 us; 8: 74.7). Sweep of BLOCK_N 16-64,
-# BLOCK_K 64-256, 2-8 warps: `benchmarks/LOG.md`, "FP8 expert GEMV configs".
+# MXFP4 (and FP8 with a scale per value): [BLOCK_K, BLOCK_N] float32 accumulators, two
+# with the fused activation, reduced once at the end. FP8 with a scale per step (block
+# scales, K steps inside one block) sums each step's products over K first and scales
+# the [BLOCK_N] sums: a conversion and an FMA per value, against the conversion, the
+# scale, the rounding to bf16 and the FMA of the elementwise form, and [BLOCK_N]
+# accumulators instead of [BLOCK_K, BLOCK_N] (more programs resident). Qwen3-30B-A3B at
+# 16 tokens (128 pairs, ~78 experts hit), H100, CUDA-graph replays: gate/up 137.6 us at
+# its best elementwise config (8 warps) -> 103.0 at BLOCK_N 32, 4 warps; down 70.6 ->
+# 50.1 at BLOCK_N 128, 8 warps (their bytes alone: 73 and 37 us). Sweeps:
+# `benchmarks/LOG.md`, "FP8 expert GEMV configs" and "FP8 GEMV: sums per scale step".
 GEMV_CONFIG = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4)
-FP8_GATE_UP_WARPS = 8
+FP8_STEP_CONFIGS = {"gate_up": dict(BLOCK_N=32, num_warps=4), "down": dict(BLOCK_N=128, num_warps=8)}
+FP8_GATE_UP_WARPS = 8  # the elementwise form's fused gate/up
 
 
 @triton.jit
@@ -99,23 +116,42 @@ def _moe_gemv_quant_kernel(
                                         BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
                 acc_up += lo.to(tl.float32) * x_even
                 acc_up += hi.to(tl.float32) * x_odd
+        acc1, acc1_up = tl.sum(acc, 0), tl.sum(acc_up, 0)
     else:  # fp8
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            x = _x_row(row, k, K, stride_ak, EVEN_K)[:, None]
-            w = fp8_cols(w_cols, s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK, SCALE_PER_STEP,
-                         EVEN_K, a_ptr, UPCAST)
-            acc += w.to(tl.float32) * x
-            if FUSE_ACT:
-                u = fp8_cols(up_cols, up_s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK,
+        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc1_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if SCALE_PER_STEP:  # e4m3 values times x summed over the step, then times its scale
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                x = _x_row(row, k, K, stride_ak, EVEN_K)[:, None]
+                mask = n_mask[None, :] if EVEN_K else n_mask[None, :] & (k < K)[:, None]
+                s = tl.load(s_cols + (k0 // SCALE_BLOCK) * stride_sk, mask=n_mask[None, :], other=0.0)
+                q = tl.load(w_cols + k[:, None] * stride_wk, mask=mask, other=0.0)
+                acc1 += tl.sum(q.to(tl.float32) * x, axis=0) * tl.reshape(s, (BLOCK_N,))
+                if FUSE_ACT:
+                    s = tl.load(up_s_cols + (k0 // SCALE_BLOCK) * stride_sk, mask=n_mask[None, :], other=0.0)
+                    q = tl.load(up_cols + k[:, None] * stride_wk, mask=mask, other=0.0)
+                    acc1_up += tl.sum(q.to(tl.float32) * x, axis=0) * tl.reshape(s, (BLOCK_N,))
+        else:  # a scale per value: the values dequantize gives, summed elementwise
+            acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + offs_k
+                x = _x_row(row, k, K, stride_ak, EVEN_K)[:, None]
+                w = fp8_cols(w_cols, s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK,
                              SCALE_PER_STEP, EVEN_K, a_ptr, UPCAST)
-                acc_up += u.to(tl.float32) * x
+                acc += w.to(tl.float32) * x
+                if FUSE_ACT:
+                    u = fp8_cols(up_cols, up_s_cols, k, k0, K, n_mask, stride_wk, stride_sk, SCALE_BLOCK,
+                                 SCALE_PER_STEP, EVEN_K, a_ptr, UPCAST)
+                    acc_up += u.to(tl.float32) * x
+            acc1, acc1_up = tl.sum(acc, 0), tl.sum(acc_up, 0)
+        if UPCAST:  # the interpreter's float32 -> bf16 store truncates: round as a GPU's store does
+            acc1, acc1_up = operand(acc1, out_ptr, UPCAST), operand(acc1_up, out_ptr, UPCAST)
 
     # The pair as a one-row tile, for the grouped GEMM's epilogue.
     pairs = pair + tl.arange(0, 1)
-    store_pairs(tl.sum(acc, 0)[None, :], tl.sum(acc_up, 0)[None, :], expert, pairs, pairs < num_pairs,
+    store_pairs(acc1[None, :], acc1_up[None, :], expert, pairs, pairs < num_pairs,
                 offs_n, n_mask, N, limit, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr,
                 slot_mask_ptr, stride_be, stride_bn, stride_om, stride_on, stride_dm,
                 HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
@@ -144,7 +180,10 @@ def moe_gemv_quant(
     # A K step dividing K where one does: unmasked rows, 16-byte loads (gpt-oss: 2880 = 45 x 64).
     block_k = next((b for b in (GEMV_CONFIG["BLOCK_K"], 64, 32) if k % b == 0), GEMV_CONFIG["BLOCK_K"])
     cfg = dict(GEMV_CONFIG, BLOCK_K=block_k)
-    if activation is not None and isinstance(w, Fp8Weight):
+    args = format_args(w, block_k)
+    if isinstance(w, Fp8Weight) and args["SCALE_PER_STEP"]:
+        cfg.update(FP8_STEP_CONFIGS["gate_up" if activation else "down"])
+    elif activation is not None and isinstance(w, Fp8Weight):
         cfg["num_warps"] = FP8_GATE_UP_WARPS
     grid = (num_pairs, triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemv_quant_kernel[grid](
@@ -155,7 +194,7 @@ def moe_gemv_quant(
         topk_ids, n, w.data.shape[-1], num_pairs, limit,
         *a.stride(), *w.data.stride(), *w.scale.stride(), *(bias.stride() if bias is not None else (0, 0)),
         *out.stride(), delta.stride(0) if delta is not None else 0,
-        **format_args(w, cfg["BLOCK_K"]), ROW_DIV=row_div, HAS_BIAS=bias is not None,
+        **args, ROW_DIV=row_div, HAS_BIAS=bias is not None,
         FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
         USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
