@@ -224,6 +224,24 @@ def test_expert_projection_backends(rank):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("columns", [4096, 0])  # the token-level GEMM, and the gather it replaces
+def test_token_rows_outer_is_the_gathered_outer(columns, monkeypatch):
+    """A's gradient of a gathered projection from the token rows (x^T @ M, M holding each
+    row's gxa at its token and expert) equals outer() over the gathered rows."""
+    monkeypatch.setattr(moe, "TOKEN_OUTER_MAX_COLUMNS", columns)
+    gen = torch.Generator().manual_seed(4)
+    t, k, e, d, r = 11, 3, 6, 20, 4
+    top = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    pairs = moe.sort_pairs(top, e)
+    x, gxa = torch.randn(t, d, generator=gen), torch.randn(t * k, r, generator=gen)
+    rows = moe.TokenRows(x, pairs)
+    torch.testing.assert_close(rows.rows(), x[pairs.tokens])
+    got = rows.outer(gxa, pairs.groups, "loop")
+    want = moe.outer(x[pairs.tokens], gxa, pairs.groups, "loop")
+    assert got.shape == want.shape == (e, d, r)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_gathered_projection_and_token_sum_match_autograd():
     """The projection that gathers its rows from [T, K] itself and the sort-based sum back
     onto tokens give what x[tokens] and index_add give, forward and backward."""
