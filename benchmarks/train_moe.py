@@ -138,7 +138,8 @@ def breakdown(cfg, seq_len: int, device, dtype) -> None:
     (CUDA events, median of 10 after a warm-up), to see where the step goes."""
     import torch
 
-    from loraplex.train.moe import gmm, outer, resolve_backend, sort_pairs, sum_by_token
+    from loraplex.train.expert_gemm import gmm, outer, resolve_backend
+    from loraplex.train.moe import sort_pairs, sum_by_token
 
     backend = resolve_backend("auto", device, dtype)
     e, h, i, k, r = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, RANK

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from loraplex import LoRARequest, SamplingParams
 from loraplex.bench.synthetic import write_random_model
 from loraplex.entrypoints.cli import main as cli
-from loraplex.train import data, moe
+from loraplex.train import data, expert_gemm, moe
 from loraplex.train.lora import LoRAExperts, lora_parameters
 from loraplex.train.routing import ReplayedRouter, in_backward
 from loraplex.train.save import peft_tensors, save_adapter
@@ -192,7 +192,7 @@ def test_routing_replay_keeps_experts_when_recompute_routes_otherwise(moe_dirs, 
     assert any(not torch.allclose(unreplayed[k], g) for k, g in want.items())
 
 
-@pytest.mark.skipif(moe._grouped_mm_op() is None, reason="this torch has no grouped_mm")
+@pytest.mark.skipif(expert_gemm._grouped_mm_op() is None, reason="this torch has no grouped_mm")
 @pytest.mark.parametrize("rank", [4, 3])  # rank 3 fp32 rows are not 16-byte aligned: loop fallback
 def test_expert_projection_backends(rank):
     """base + LoRA over expert-sorted rows, loop and grouped_mm, against per-expert
@@ -237,7 +237,7 @@ def test_token_rows_outer_is_the_gathered_outer(columns, monkeypatch):
     rows = moe.TokenRows(x, pairs)
     torch.testing.assert_close(rows.rows(), x[pairs.tokens])
     got = rows.outer(gxa, pairs.groups, "loop")
-    want = moe.outer(x[pairs.tokens], gxa, pairs.groups, "loop")
+    want = expert_gemm.outer(x[pairs.tokens], gxa, pairs.groups, "loop")
     assert got.shape == want.shape == (e, d, r)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

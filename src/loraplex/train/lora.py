@@ -5,7 +5,7 @@
 - `LoRAExperts` wraps a transformers experts module (3D `gate_up_proj` / `down_proj`,
   [E, out, in], or [E, in, out] when `is_transposed` as gpt-oss stores them, gate/up
   interleaved there): per expert A [E, r, in], B [E, out, r] on both projections, run as
-  grouped GEMMs over expert-sorted pairs (train/moe.py). Out rows of gate_up keep the
+  grouped GEMMs over expert-sorted pairs (train/moe.py, train/expert_gemm.py). Out rows of gate_up keep the
   checkpoint's order (gpt-oss: interleaved), as PEFT's target_parameters layout does.
 The LoRA factors stay float32 (the optimizer's master copy) and are cast to the
 activations' dtype in the forward; every base parameter is frozen.
@@ -19,14 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loraplex.train.moe import (
-    CombineByToken,
-    ExpertProjection,
-    FoldedStack,
-    GatedDown,
-    SortedPairs,
-    sort_pairs,
-)
+from loraplex.train.expert_gemm import FoldedStack
+from loraplex.train.moe import CombineByToken, ExpertProjection, GatedDown, SortedPairs, sort_pairs
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 
 LINEAR_TYPES = (nn.Linear, QuantizedLinear)  # a quantized base's projections (train/quantized.py)
@@ -95,7 +89,7 @@ class LoRAExperts(nn.Module):
     """Drop-in for an experts module: forward(hidden [T, H], top_k_index, top_k_weights).
 
     SwiGLU experts (Qwen3-MoE, Mixtral) stored [E, out, in] in a plain tensor, at a rank
-    that keeps rows 16-byte aligned (a multiple of 8), are folded (train/moe.py,
+    that keeps rows 16-byte aligned (a multiple of 8), are folded (train/expert_gemm.py,
     FoldedStack; `fold=False` keeps them apart): the base parameter becomes a view of the
     folded stack, same shape and values."""
 

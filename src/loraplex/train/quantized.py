@@ -4,7 +4,7 @@
 - `QuantizedLinear`, a linear layer, dequantizes W in its forward and again in its
   backward (dx = dy W); it saves nothing of W.
 - `FrozenWeight.experts` gives an experts module's stack to the expert autograd
-  functions (train/moe.py StackSlices), which dequantize it a slice of experts at a time,
+  functions (train/expert_gemm.py StackSlices), which dequantize it a slice of experts at a time,
   forward and backward alike.
 With gradient checkpointing a step then holds one layer's bf16 weights (experts: one
 slice) at a time beside the quantized model. train/quantized_base.py builds such a model
@@ -21,7 +21,7 @@ from loraplex import ops
 from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.formats.checkpoint import leading_slice, row_parts
 from loraplex.ops.reference.quant import dequantize
-from loraplex.train.moe import StackSlices
+from loraplex.train.expert_gemm import StackSlices
 
 # Bytes of dequantized experts an expert GEMM makes at once (gpt-oss-20b: 8 of a layer's
 # 32 gate/up matrices).
@@ -66,7 +66,7 @@ class FrozenWeight(nn.Module):
         return out.transpose(-1, -2) if self.transposed else out
 
     def experts(self, transpose: bool) -> StackSlices:
-        """An expert stack as the expert functions read it (train/moe.py StackSlices):
+        """An expert stack as the expert functions read it (train/expert_gemm.py StackSlices):
         experts made a slice at a time, [E, K, N] (canonical [E, N, K] transposed) if
         `transpose`, about EXPERT_SLICE_BYTES of them at once."""
         w = self.qweight

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from loraplex.train.moe import BACKENDS
+from loraplex.train.expert_gemm import BACKENDS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from loraplex.train import attention as train_attention
 from loraplex.train import data
 from loraplex.train.checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from loraplex.train.expert_gemm import resolve_backend
 from loraplex.train.graphed import GraphedSteps, row_length
 from loraplex.train.lora import LoRAExperts, LoRASpec, default_targets, inject_lora, lora_parameters
 from loraplex.train.loss import chunked_loss_sum
-from loraplex.train.moe import resolve_backend
 from loraplex.train.norms import install_fused_norms
 from loraplex.train.quantized import FrozenWeight, QuantizedLinear
 from loraplex.train.quantized_base import is_quantized_checkpoint, load_quantized_base

@@ -21,7 +21,7 @@ def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.
     """gate_up [P, 2I] (gate | up) of expert-sorted rows, weight [P] in flat pair order,
     order [P] (row i is flat pair order[i]) -> silu(gate) * up * weight[order] [P, I], in
     the first I columns of a [P, I + pad] tensor (the rest unwritten: room for a folded
-    projection's LoRA intermediate, train/moe.py)."""
+    projection's LoRA intermediate, train/expert_gemm.py)."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return _padded((F.silu(gate) * up * weight.float()[order][:, None]).to(gate_up.dtype), pad)
 

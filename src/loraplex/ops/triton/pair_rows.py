@@ -4,7 +4,7 @@ token_sum.py's sum).
 
 Flat pair t * top_k + j sits at sorted row inv[...]. One program per (token, column
 block) reads the token's row once and writes it to its k rows, optionally into rows
-`extra` columns wider (room for a folded projection's LoRA intermediate: train/moe.py,
+`extra` columns wider (room for a folded projection's LoRA intermediate: train/expert_gemm.py,
 FoldedStack), so no padded copy of the input is made first. torch's `x[tokens]` reads
 the token rows k times (H100, 16K tokens x 8, width 2048: 0.36 ms; 0.48 ms into rows
 16 wider after a 0.09 ms pad copy).

@@ -10,7 +10,7 @@ cat backward, each a full pass over [P, I]; these read gate_up (and the gradient
 and write once. Backward writes d gate_up in the [P, 2I] layout the gate/up projection's
 backward takes, and the weight's gradient (a row sum, float32) in the same pass. With
 `pad`, either output's rows have pad more columns that the kernels leave to the caller (a
-folded projection's LoRA intermediate goes there: train/moe.py, FoldedStack).
+folded projection's LoRA intermediate goes there: train/expert_gemm.py, FoldedStack).
 """
 
 from __future__ import annotations
