@@ -126,6 +126,15 @@ def assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, adapter_dir
         torch.testing.assert_close(g, ref_grads[key], rtol=1e-4, atol=1e-4 * scale)
 
 
+def assert_checkpointing_keeps(model, wrapped, batch, loss, grads) -> None:
+    """With gradient checkpointing enabled, the same loss and LoRA gradients."""
+    enable_checkpointing(model)
+    loss_gc, grads_gc = _loss_and_grads(model, wrapped, batch)
+    assert loss_gc == loss
+    for key, g in grads.items():
+        torch.testing.assert_close(grads_gc[key], g, rtol=1e-6, atol=1e-7)
+
+
 def _model_dir(arch, model_dirs, moe_dirs):
     return model_dirs[arch] if arch in model_dirs else moe_dirs[arch]
 
@@ -157,11 +166,7 @@ def test_loss_and_grads_match_peft(arch, model_dirs, moe_dirs, tmp_path):
     assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
 
     # Gradient checkpointing: the same gradients; MoE layers replay their routing.
-    enable_checkpointing(model)
-    loss_gc, grads_gc = _loss_and_grads(model, wrapped, batch)
-    assert loss_gc == loss
-    for key, g in grads.items():
-        torch.testing.assert_close(grads_gc[key], g, rtol=1e-6, atol=1e-7)
+    assert_checkpointing_keeps(model, wrapped, batch, loss, grads)
     routers = [m for m in model.modules() if isinstance(m, ReplayedRouter)]
     assert sum(r.replays for r in routers) == len(routers) == (0 if arch in model_dirs else len(
         [m for m in wrapped.values() if isinstance(m, LoRAExperts)]))
@@ -328,11 +333,7 @@ def test_folded_experts_match_unfolded_and_peft(arch, backend, moe_dirs, tmp_pat
     for key, g in want.items():
         torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=key)
     assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
-    enable_checkpointing(model)
-    loss_gc, grads_gc = _loss_and_grads(model, wrapped, batch)
-    assert loss_gc == loss
-    for key, g in grads.items():
-        torch.testing.assert_close(grads_gc[key], g, rtol=1e-6, atol=1e-7)
+    assert_checkpointing_keeps(model, wrapped, batch, loss, grads)
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt_oss"])

@@ -128,13 +128,14 @@ class LoRAExperts(nn.Module):
         """The base weight [E, in, out] (a quantized one: StackSlices that make it) and the
         LoRA factors A [E, in, r], B [E, r, out] (float32 parameters, as views) of one
         projection."""
-        w = getattr(self.base_layer, param)
         if self.fold_rank:
             w = FoldedStack(getattr(self, f"{param}_folded"), self.fold_rank)
-        elif isinstance(w, FrozenWeight):  # canonical [E, out, in] -> [E, in, out]
-            w = w.experts(transpose=True)
         else:
-            w = w if self.transposed else w.transpose(1, 2)
+            w = getattr(self.base_layer, param)
+            if isinstance(w, FrozenWeight):  # canonical [E, out, in] -> [E, in, out]
+                w = w.experts(transpose=True)
+            elif not self.transposed:
+                w = w.transpose(1, 2)
         if not hasattr(self, f"{param}_A"):
             return w, None, None
         return w, getattr(self, f"{param}_A").transpose(1, 2), getattr(self, f"{param}_B").transpose(1, 2)
