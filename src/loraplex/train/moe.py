@@ -76,7 +76,8 @@ class ExpertProjection(torch.autograd.Function):
     """`project` as an autograd function, x's rows gathered by `pairs` if given.
 
     x [N, K] (or [T, K] with pairs: row i is x[pairs.tokens[i]]); w [E, K, M] frozen (a
-    tensor, or StackSlices: saved as such, its slices made again in backward); a
+    tensor; StackSlices: saved as such, its slices made again in backward; or, with pairs,
+    a FoldedStack that the factors are copied into, the rows gathered with room); a
     [E, K, r] and b [E, r, M] the LoRA factors as views (or None: base only), in any
     dtype: cast to x's here, their gradients returned in theirs (no cast nodes). Gradients:
     x, a, b; never w. With pairs, backward keeps x, not the gathered [N, K] copy (top_k
@@ -128,7 +129,9 @@ class GatedDown(torch.autograd.Function):
 
     gate_up [P, 2I] sorted rows; top_k_weights [T, top_k] (read through the pairs' order
     inside the activation kernels: no gather, no scatter-add backward); w [E, I, H] (or
-    StackSlices, as ExpertProjection); a, b the down projection's LoRA factors (any dtype, as
+    StackSlices or FoldedStack, as ExpertProjection); gate_up_room: the gate/up projection's
+    fold rank, the spare columns its backward wants beside d gate_up; a, b the down
+    projection's LoRA factors (any dtype, as
     ExpertProjection; None: the base alone). One node where
     eager autograd makes ~10 (casts, gather, index backward, activation, combine): at 1K
     tokens a step is bound by the host's cost per op. Two nodes per layer (this and the
