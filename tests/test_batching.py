@@ -245,6 +245,11 @@ class _EagerGraphs:
         step = self.step
         assert step.input_ids.shape[0] == shape.tokens and (step.lora is not None) == with_lora
         self.shapes.append((shape, int(self.num_tokens < shape.tokens)))
+        # A graph's kernels read the device tensors alone, which the runner may have
+        # completed after prepare() (speculation planned ahead: runner/ngram_drafts.py);
+        # the reference ops run here read the host copies.
+        step.attn.seq_lens_cpu = step.attn.seq_lens.tolist()
+        step.attn.max_seq_len = max(step.attn.seq_lens_cpu)
         with forward_context(ForwardContext(attn=step.attn, lora=step.lora)):
             return self.model(step.input_ids, step.positions)
 

@@ -532,3 +532,66 @@ def test_race_sample_draws_softmax_frequencies(backend, temperature):
     want = torch.softmax(logits.double() / temperature, -1)
     # binomial standard error <= sqrt(0.25 / 3000) ~ 0.009: 4 sigma
     assert (freq - want).abs().max() < 0.037, (freq, want)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ngram_inputs(backend, seed):
+    """Speculation planned ahead of results: pending tokens fed, positions and KV slots
+    moved by the previous step's rejections, tokens recorded in each sequence's history,
+    and n-gram proposals equal to the host proposer's (engine/speculative.py)."""
+    from loraplex.engine.speculative import propose_ngram
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, max_len, vocab, n_min, n_max = 4, 96, 5, 1, 3  # a small vocabulary: many matches
+    # (known tokens, drafts k, fed from the previous step?, history row) per chunk.
+    layout = [(1, 3, True, 0), (6, 0, False, 1), (1, 2, True, 2), (1, 0, True, -1), (3, 4, False, 3)]
+    histories = torch.randint(0, vocab, (4, max_len), generator=gen).to(torch.int32)
+    last_ids = torch.randint(0, vocab, (6,), generator=gen)
+    last_shift = -torch.randint(0, 3, (6,), generator=gen).to(torch.int32)
+    ids, pos, tables, qsl, lens, meta = [], [], [], [0], [], []
+    for c, (known, k, fed, row) in enumerate(layout):
+        src = c if fed else -1
+        start = int(torch.randint(8, 60, (1,), generator=gen))  # the host's (optimistic) start
+        n = known + k
+        ids += torch.randint(0, vocab, (known,), generator=gen).tolist() + [0] * k
+        pos += list(range(start, start + n))
+        tables.append(torch.randperm(40, generator=gen)[:32].tolist())
+        qsl.append(qsl[-1] + n)
+        lens.append(start + n)
+        meta.append((src, row, k))
+    slots = [tables[c][p // bs] * bs + p % bs for c in range(len(layout)) for p in pos[qsl[c]: qsl[c + 1]]]
+    dev = dict(device=DEVICE)
+    inputs = dict(
+        input_ids=torch.tensor(ids, **dev), positions=torch.tensor(pos, **dev),
+        slot_mapping=torch.tensor(slots, **dev), seq_lens=torch.tensor(lens, dtype=torch.int32, **dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, **dev),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, **dev),
+        chunks=torch.tensor(meta, dtype=torch.int32, **dev), last_ids=last_ids.to(DEVICE),
+        last_shift=last_shift.to(DEVICE), history=histories.clone().to(DEVICE))
+    found = ops.ngram_inputs(**inputs, block_size=bs, n_min=n_min, n_max=n_max, max_drafts=4).cpu()
+
+    hist = histories.clone()
+    for c, (known, k, fed, row) in enumerate(layout):
+        a, b = qsl[c], qsl[c + 1]
+        shift = int(last_shift[c]) if fed else 0
+        want_ids = list(ids[a:b])
+        if fed:
+            want_ids[0] = int(last_ids[c])
+        want_pos = [p + shift for p in pos[a:b]]
+        assert inputs["positions"][a:b].tolist() == want_pos
+        assert inputs["seq_lens"][c].item() == lens[c] + shift
+        assert inputs["slot_mapping"][a:b].tolist() == [tables[c][p // bs] * bs + p % bs for p in want_pos]
+        if row < 0:
+            assert found[c] == 0 and inputs["input_ids"][a:b].tolist() == want_ids
+            continue
+        for p, tok in zip(want_pos[:known], want_ids[:known]):
+            hist[row, p] = tok
+        length = want_pos[known - 1] + 1
+        proposal = propose_ngram(hist[row, :length].tolist(), k, n_min, n_max) if k else []
+        assert found[c].item() == len(proposal), (c, proposal)
+        want_ids[known: known + len(proposal)] = proposal
+        assert inputs["input_ids"][a:b].tolist() == want_ids
+        hist[row, length: length + len(proposal)] = torch.tensor(proposal, dtype=torch.int32)
+        end = length + len(proposal)
+        assert inputs["history"][row, :end].tolist() == hist[row, :end].tolist()
+    assert sum(found.tolist()) > 0  # the layout makes some proposals

@@ -237,12 +237,34 @@ class _RepeatLast:
         return [(output or prompt)[-1]] * room
 
 
+def _repeat_last_on_device(ngram_inputs):
+    """ops.ngram_inputs whose proposals repeat each chunk's last known token (the
+    device-side twin of _RepeatLast; history rows keep their real proposals' writes)."""
+
+    def propose(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc, chunks,
+                *args):
+        found = ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc,
+                             chunks, *args)
+        qsl = query_start_loc.tolist()
+        for c, (_, row, k) in enumerate(chunks.tolist()):
+            if k and row >= 0:
+                end = qsl[c + 1]
+                input_ids[end - k: end] = input_ids[end - k - 1]
+                found[c] = k
+        return found
+
+    return propose
+
+
 def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     """Temperature 0.8 with top-p, unseeded: rows speculate and every request gets its
     max_tokens (the distribution itself: test_sampled_tokens_keep_the_target_distribution)."""
     import loraplex.engine.scheduler as scheduler_module
+    from loraplex.runner import ngram_drafts
 
     monkeypatch.setattr(scheduler_module, "NgramIndex", _RepeatLast)
+    real = ngram_drafts.ops.ngram_inputs
+    monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", _repeat_last_on_device(real))
     llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)
@@ -594,3 +616,48 @@ def test_requests_that_opt_out_decode_plainly_and_the_engine_overlaps_them(model
     assert engine.stats()["spec_draft_tokens"] == 0 and overlapped >= 10
     for i, w in enumerate(want):
         assert_same_greedy_tokens(got[f"q{i}"].outputs[0], w.outputs[0])
+
+
+def _run_counting_overlap(engine, requests) -> tuple[dict, int]:
+    """Step the engine over `requests` [(id, prompt, params, lora)]; returns the final
+    outputs and how many steps left a step with device proposals in flight."""
+    for request_id, prompt, sp, lora in requests:
+        engine.add_request(request_id, prompt, sp, lora_request=lora)
+    got, overlapped = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out
+        flying = engine._in_flight
+        overlapped += flying is not None and any(c.device_drafts for c in flying.plan.chunks)
+    return got, overlapped
+
+
+def test_device_proposals_are_planned_ahead_of_results(model_dirs, adapter_dirs):
+    """n-gram proposals made on the device: a step that speculates is planned while the
+    one before it runs (whose verification decides where it starts), base and adapter
+    rows together, and greedy tokens stay plain decoding's; with prefix caching, a
+    request admitted onto cached pages proposes from tokens it never fed (its history
+    is written from the host at admission)."""
+    prompts = [(p * 4)[:40] for p in _prompts(6)]  # two full pages of 16 tokens each
+    loras = _loras(adapter_dirs, "llama", len(prompts))
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = make_llm(model_dirs["llama"]).generate(prompts, sp, loras, use_tqdm=False)
+    llm = make_llm(model_dirs["llama"], speculative_config=SPEC, enable_prefix_caching=True)
+    assert llm.engine.runner.ngram is not None and llm.engine.scheduler.ngram_on_device
+    got, overlapped = _run_counting_overlap(
+        llm.engine, [(f"r{i}", p, sp, lora) for i, (p, lora) in enumerate(zip(prompts, loras))])
+    for i, w in enumerate(want):
+        assert_same_greedy_tokens(got[f"r{i}"].outputs[0], w.outputs[0])
+    stats = llm.engine.stats()
+    assert overlapped >= 5, overlapped
+    assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"], stats
+
+    # The same prompts again: their full pages are cached, so their first chunks start
+    # past tokens the runner never saw this time.
+    again, _ = _run_counting_overlap(
+        llm.engine, [(f"s{i}", p, sp, lora) for i, (p, lora) in enumerate(zip(prompts, loras))])
+    assert sum(o.num_cached_tokens for o in again.values()) > 0
+    for i, w in enumerate(want):
+        assert_same_greedy_tokens(again[f"s{i}"].outputs[0], w.outputs[0])
+    assert llm.engine.stats()["spec_accepted_tokens"] > stats["spec_accepted_tokens"]

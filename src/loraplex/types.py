@@ -255,8 +255,9 @@ class ScheduledChunk:
 
     request_id: str
     token_ids: list[int]  # tokens fed this step, at positions start_pos, ...; PENDING_TOKEN:
-    # the token the previous step samples for this request (decode chunks only)
-    start_pos: int  # = the request's num_computed_tokens before this step
+    # the token the previous step samples for this request (the first of a decode chunk)
+    start_pos: int  # = the request's num_computed_tokens before this step (as planned: a
+    # chunk after device drafts in flight starts earlier by the drafts not kept)
     block_ids: list[int]  # KV pages of the request, covering start_pos + len(token_ids)
     lora_slot: int  # GPU adapter slot of every token of the chunk; -1 = base model
     sample: bool  # the chunk ends at the last known token: sample the next one
@@ -270,6 +271,13 @@ class ScheduledChunk:
     # Speculative decoding: tokens proposed after the last known one (the tail of
     # token_ids), verified by this step; the chunk samples 1 to len + 1 tokens.
     draft_ids: list[int] | None = None
+    # The drafts are placeholders the runner fills on the device, from the request's
+    # history row (n-gram proposals planned ahead of results: runner/ngram_drafts.py).
+    device_drafts: bool = False
+    # Its row of token history on the device (-1: none), and the tokens before start_pos
+    # to write there first (a request admitted with cached pages).
+    history_row: int = -1
+    history_prefix: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -294,6 +302,12 @@ class StepPlan:
     def num_draft_tokens(self) -> int:
         return sum(len(c.draft_ids) for c in self.chunks if c.draft_ids)
 
+    @property
+    def host_drafts(self) -> bool:
+        """Some chunk verifies proposals the host made: the step's results must be in
+        before the next plan (its proposals extend them)."""
+        return any(c.draft_ids and not c.device_drafts for c in self.chunks)
+
 
 @dataclass
 class StepResult:
@@ -305,3 +319,5 @@ class StepResult:
     # Chunks with draft_ids (by index): the tokens verification kept, then the one it
     # added (their sampled_token_ids entry stays None).
     speculated: dict[int, list[int]] = field(default_factory=dict)
+    # Chunks with device_drafts: how many of their placeholders held a proposal.
+    num_proposed: dict[int, int] = field(default_factory=dict)

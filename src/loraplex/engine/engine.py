@@ -55,8 +55,9 @@ class LLMEngine:
         self.config = config
         # Stop strings of the model itself (generation_config.json), added to every request.
         self.default_stop = default_stop
-        # Plan each step while the one before runs, except where speculation proposes
-        # (it extends the tokens that step samples: Scheduler.wants_proposals).
+        # Plan each step while the one before runs, except where the host proposes tokens
+        # to speculate (they extend the tokens that step samples: Scheduler.wants_proposals);
+        # n-gram proposals made on the device keep the overlap (runner/ngram_drafts.py).
         self.async_scheduling = async_scheduling
         self._in_flight: LaunchedStep | None = None
         self.tokenizer = tokenizer
@@ -86,6 +87,7 @@ class LLMEngine:
                          enable_caching=config.cache.enable_prefix_caching),
             SlotTable(config.lora.max_loras),
             config.speculative,
+            ngram_on_device=getattr(self.runner, "ngram", None) is not None,
         )
         self._live: dict[str, _Live] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with several samples
@@ -360,7 +362,7 @@ class LLMEngine:
             self.adapters.wait(0.005)  # only loads are pending: do not spin
         outputs += self._finish_step(self._in_flight) if self._in_flight else []
         self._in_flight = None
-        if self.async_scheduling and plan.chunks and not plan.num_draft_tokens:
+        if self.async_scheduling and plan.chunks and not plan.host_drafts:
             self._in_flight = launched
         else:
             outputs += self._finish_step(launched)

@@ -45,7 +45,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose keys and values are in the KV cache or being written by a planned step.
     num_computed_tokens: int = 0
-    # Tokens sampled by a launched step whose ids have not reached the host yet (0 or 1).
+    # Tokens sampled by launched steps whose ids have not reached the host yet: 1 a step,
+    # or 1 + k for a step verifying k proposals, as if all were kept (a step planned
+    # before its results starts after them; the runner moves it back by those not kept).
     num_pending: int = 0
     block_ids: list[int] = field(default_factory=list)
     lora_slot: int = -1  # while running with an adapter: its GPU slot
@@ -67,6 +69,11 @@ class Request:
     # Speculative decoding: its n-gram index (made at its first proposal).
     ngram: NgramIndex | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its proposals (speculative.py)
+    # Proposals made on the device (runner/ngram_drafts.py): its row of the runner's token
+    # history while running, and whether its next chunk must first write the tokens
+    # before it there (admitted with cached pages).
+    history_row: int = -1
+    history_prefix_due: bool = False
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -32,7 +32,9 @@ from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepRes
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, ngram_on_device: bool = False):
+        """ngram_on_device: n-gram proposals are made by the runner on the device
+        (runner/ngram_drafts.py), so steps that speculate are planned ahead of results."""
         # Otherwise a request could outgrow the whole cache and preempt itself forever.
         assert blocks.num_blocks * blocks.block_size >= config.max_model_len, (
             "the KV cache must hold one max_model_len sequence"
@@ -51,6 +53,9 @@ class Scheduler:
         self.num_verified_chunks = 0  # in this many verified chunks
         self.num_plans = 0  # plans made (requests that stopped proposing probe on some: speculative.py)
         self._draft_room = 0  # tokens the plan being made may still propose
+        self.ngram_on_device = ngram_on_device
+        # Rows of the runner's token history, one per running request (ngram_on_device).
+        self._free_history_rows = list(range(config.max_num_seqs))[::-1] if ngram_on_device else []
 
     # -- queue -------------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class Scheduler:
         finish before planning (a proposal extends the tokens that step samples), and
         otherwise plans while it runs."""
         spec = self.speculative
-        if spec is None or not self._batch_speculates():
+        if spec is None or self.ngram_on_device or not self._batch_speculates():
             return False
         return any(r.acceptance.draft_length(spec.num_speculative_tokens, self.num_plans)
                    and r.num_tokens - r.num_computed_tokens == 1  # decoding
@@ -151,7 +156,10 @@ class Scheduler:
         its max_tokens and max_model_len, and pages free now (a proposal never
         preempts)."""
         spec = self.speculative
-        if spec is None or req.num_pending or not speculates(req.sampling, req.num_output_tokens):
+        # Known outputs only (not those in flight): min_tokens must hold for every kept proposal.
+        if spec is None or not speculates(req.sampling, len(req.output_token_ids)):
+            return []
+        if req.num_pending and not self.ngram_on_device:  # its proposals would need its in-flight tokens
             return []
         if not self._batch_speculates():
             return []
@@ -167,6 +175,10 @@ class Scheduler:
             if req.ngram is None:
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
+            if self.ngram_on_device and drafts:
+                # The known tokens matched (the in-flight ones may go on matching): room
+                # placeholders, which the runner fills from the newest tokens.
+                drafts = [0] * room
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         self._draft_room -= len(drafts)
@@ -211,6 +223,9 @@ class Scheduler:
                 elif req.metrics.adapter_source == "host":
                     req.metrics.adapter_source = "device"
             req.status = RequestStatus.RUNNING
+            if self.ngram_on_device:
+                req.history_row = self._free_history_rows.pop()
+                req.history_prefix_due = True
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             self.running.append(req)
@@ -282,16 +297,22 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
             prompt_logprobs=task,
             draft_ids=drafts or None,
+            device_drafts=bool(drafts) and self.ngram_on_device,
+            history_row=req.history_row,
         )
+        if req.history_prefix_due:
+            req.history_prefix_due = False
+            chunk.history_prefix = req.known_tokens()[:start] or None
         sp = req.sampling
         penalized = sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty
         if chunk.sample and (penalized or req.grammar is not None):
             chunk.history = (req.prompt_token_ids, req.output_token_ids)  # read at launch, not copied
         if chunk.sample and req.grammar is not None:
             chunk.grammar = req.grammar.result()
-        # Drafts are computed by this step; update() keeps those verification accepts.
+        # Drafts are computed by this step, and planned as if all were kept (the next step
+        # may be planned before this one's results); update() counts those kept.
         req.num_computed_tokens = end + len(drafts or [])
-        req.num_pending += chunk.sample
+        req.num_pending += chunk.sample + len(drafts or [])
         return chunk
 
     def _preempt(self, req: Request) -> None:
@@ -318,6 +339,9 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req.block_ids)
+        if req.history_row >= 0:  # steps in flight that write it run before any that reuses it
+            self._free_history_rows.append(req.history_row)
+            req.history_row = -1
         if req.lora_slot >= 0:
             self.slots.release(req.lora_slot)
             req.lora_slot = -1
@@ -337,7 +361,7 @@ class Scheduler:
             if prompt_lps:
                 req.prompt_logprobs.extend(prompt_lps)
             if chunk.draft_ids:
-                self._verified(req, chunk, result.speculated[i], now)
+                self._verified(req, chunk, result.speculated[i], result.num_proposed.get(i), now)
                 touched.append(req)
                 continue
             if token is None:
@@ -350,17 +374,28 @@ class Scheduler:
             self._append(req, token, logprobs, now)
         return touched
 
-    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int], now: float) -> None:
-        """A speculated chunk's result: the proposals kept and the token added. The KV of
-        the rejected ones is left behind, to be overwritten."""
-        req.num_pending -= 1
-        self.num_draft_tokens += len(chunk.draft_ids)
+    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: list[int], proposed: int | None,
+                  now: float) -> None:
+        """A speculated chunk's result: the proposals kept and the token added (proposed:
+        how many placeholders held a proposal; None: all drafts were proposals). The KV
+        of the rejected ones is left behind, to be overwritten."""
+        planned = len(chunk.draft_ids)
+        proposed = planned if proposed is None else proposed
+        req.num_pending -= 1 + planned
+        self.num_draft_tokens += proposed
         self.num_accepted_tokens += len(tokens) - 1
         self.num_verified_chunks += 1
-        req.metrics.num_draft_tokens += len(chunk.draft_ids)
+        req.metrics.num_draft_tokens += proposed
         req.metrics.num_accepted_tokens += len(tokens) - 1
-        req.acceptance.observe(len(tokens) - 1, len(chunk.draft_ids))
-        req.num_computed_tokens = chunk.start_pos + len(tokens)
+        if chunk.device_drafts and not proposed:
+            # Its known tokens matched but its newest did not: verification paid for
+            # `planned` rows that held nothing, as for proposals none of which was kept.
+            req.acceptance.observe(0, planned)
+        else:
+            req.acceptance.observe(len(tokens) - 1, proposed)
+        if req.status is RequestStatus.RUNNING:  # else preempted: recomputed from its known tokens
+            # Planned as if all `planned` were kept; a step planned since starts as much earlier.
+            req.num_computed_tokens += len(tokens) - 1 - planned
         for token in tokens:
             if self._append(req, token, None, now):
                 break

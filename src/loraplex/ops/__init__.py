@@ -163,6 +163,35 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     return _impl.race_sample(logits, temperature, seeds)
 
 
+def ngram_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                 chunks: torch.Tensor, last_ids: torch.Tensor, last_shift: torch.Tensor,
+                 history: torch.Tensor, block_size: int, n_min: int, n_max: int,
+                 max_drafts: int) -> torch.Tensor:
+    """Semantics: a step's inputs completed on the device when it was planned before the
+    previous step's results (speculation planned ahead; runner/ngram_drafts.py). For
+    each chunk c, chunks[c] = (src, row, k) int32:
+
+    - src >= 0 (its first token is the one the previous step added): input_ids[first
+      token] = last_ids[src]; its positions and seq_lens[c] move by last_shift[src] (the
+      proposals that step did not keep, as <= 0) and its slot_mapping entries are
+      recomputed from block_tables[c] (block_size tokens a page);
+    - row >= 0: history[row, position] = token for each of its tokens but the last k;
+    - k > 0 (a chunk that speculates; its last k tokens are placeholders): with L the
+      known tokens history[row, :L] (through its last non-placeholder token), the
+      latest earlier occurrence, ending at e - 1 < L - 1, of the longest suffix of
+      n_min..n_max tokens; proposal = history[row, e : min(e + k, L)], written over the
+      first placeholders and into history[row, L:]; none where no suffix occurred.
+
+    In place on input_ids [T] int64, positions [T] int64, slot_mapping [T] int64,
+    seq_lens [B] int32, history [R, max_len] int32; query_start_loc [B + 1] int32;
+    last_ids int64, last_shift int32 (any length when no src is set); max_drafts >= every
+    k. Returns found [C] int32: each chunk's proposal length (0..k).
+    """
+    return _impl.ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc,
+                              chunks, last_ids, last_shift, history, block_size, n_min, n_max, max_drafts)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -381,6 +410,7 @@ __all__ = [
     "dequantize",
     "fused_experts",
     "linear",
+    "ngram_inputs",
     "quantize",
     "MoELoRA",
     "route_experts",

@@ -42,9 +42,10 @@ from loraplex.models.weights import (
     load_safetensors,
 )
 from loraplex.ops.metadata import SHORT_QUERY_MAX
-from loraplex.runner.batch_meta import InputBuffers
+from loraplex.runner.batch_meta import InputBuffers, StepInputs
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
+from loraplex.runner.ngram_drafts import NgramDrafts
 from loraplex.runner.rejection import greedy_verify, rejection_sample
 from loraplex.runner.sampler import SamplingRows, sample, sampling_probs, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
@@ -107,6 +108,13 @@ class ModelRunner:
         self._last_token_ids: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
         self._last_step: LaunchedStep | None = None
+        # With n-gram proposals made on the device: per row of _last_token_ids, by how
+        # much its sequence fell short of the plan (None: rows of plain samples, no shift).
+        self._last_shift: torch.Tensor | None = None
+        spec = config.speculative
+        self.ngram = (NgramDrafts(spec, sched.max_num_seqs, sched.max_model_len, config.cache.block_size,
+                                  self.device)
+                      if spec is not None and spec.method == "ngram" and tp is None else None)
         self._structured = GrammarRows(config.model.vocab_size, eos_token_ids)
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
         # Decode graphs run the LoRA shrink on this side stream, beside the base GEMM.
@@ -352,7 +360,14 @@ class ModelRunner:
             graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks),
                                           max(c.num_tokens for c in plan.chunks))
         inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora)
-        self._feed_pending_tokens(plan, inputs.input_ids)
+        found = None
+        if self.ngram is not None:
+            found = self.ngram.complete(plan, inputs, self._last_token_ids, self._last_shift, self._last_rows)
+            if graph is None and self._last_shift is not None:  # eager ops read the host copies
+                inputs.attn.seq_lens_cpu = inputs.attn.seq_lens.tolist()
+                inputs.attn.max_seq_len = max(inputs.attn.seq_lens_cpu)
+        else:
+            self._feed_pending_tokens(plan, inputs.input_ids)
         if graph is not None:
             hidden = self.graphs.replay(graph, inputs.lora is not None)
         else:
@@ -369,7 +384,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
             self._sample(plan, inputs.sample_chunks, logits, out)
         if any(c.draft_ids for c in plan.chunks):
-            self._verify(plan, inputs.attn.query_start_loc_cpu, hidden, out)
+            self._verify(plan, inputs, hidden, out, found)
         self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         out.start_copies()
         if start is not None:
@@ -387,7 +402,7 @@ class ModelRunner:
     def forget_step_state(self) -> None:
         """After a failed step: no step is in flight, so no token is pending on the
         device; seeded requests start their generators again when recomputed."""
-        self._last_token_ids, self._last_rows, self._last_step = None, {}, None
+        self._last_token_ids, self._last_rows, self._last_step, self._last_shift = None, {}, None, None
         self._request_generators.clear()
         self._structured.clear()
 
@@ -479,27 +494,39 @@ class ModelRunner:
         if scored:
             out.sample_lps = token_logprobs(raw, token_ids, max(w or 0 for w in want))
         out.sample_chunks, out.sample_logprobs, out.token_ids = rows, want, token_ids
-        self._last_token_ids, self._last_step = token_ids, out
+        self._last_token_ids, self._last_step, self._last_shift = token_ids, out, None
         self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
 
-    def _verify(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
+    def _verify(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor, out: LaunchedStep,
+                found: torch.Tensor | None):
         """Speculated chunks: the target's distributions at the last known token and at
         each proposal, then rejection sampling (runner/rejection.py) over [S, k + 1]
-        rows (shorter proposals padded with their last row)."""
+        rows (shorter proposals padded with their last row). Proposals made on the
+        device (`found`: each chunk's proposal length) are read from the step's input
+        ids."""
+        qsl = inputs.attn.query_start_loc_cpu
         spec = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
         k = max(len(plan.chunks[i].draft_ids) for i in spec)
-        rows, drafts, num = [], [], []
+        rows, drafts, draft_rows, num = [], [], [], []
         for i in spec:
             d = plan.chunks[i].draft_ids
             first = qsl[i] + plan.chunks[i].num_tokens - len(d) - 1  # the last known token's row
             rows += [first + min(j, len(d)) for j in range(k + 1)]
+            draft_rows += [first + 1 + min(j, len(d) - 1) for j in range(k)]
             drafts.append(d + [0] * (k - len(d)))
             num.append(len(d))
         sps = [plan.chunks[i].sampling for i in spec for _ in range(k + 1)]
         logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
         if not self.leader:  # the leader verifies; the step after it is planned from its result
             return
-        drafts, num = to_device(drafts, torch.int64, self.device), to_device(num, torch.int64, self.device)
+        on_device = plan.chunks[spec[0]].device_drafts
+        if on_device:
+            drafts = inputs.input_ids[to_device(draft_rows, torch.int64, self.device)].view(len(spec), k)
+            placeholders = to_device(num, torch.int64, self.device)
+            num = found[to_device(spec, torch.int64, self.device)].long()
+        else:
+            drafts = to_device(drafts, torch.int64, self.device)
+            num = to_device(num, torch.int64, self.device)
         if all(sp.greedy for sp in sps):
             verified = greedy_verify(logits.view(len(spec), k + 1, -1), drafts, num)
         else:
@@ -509,6 +536,26 @@ class ModelRunner:
             verified = rejection_sample(probs, drafts, num, greedy, generator=self.generator)
         out.spec_chunks = spec
         out.spec_token_ids, out.spec_accepted = verified.token_ids, verified.num_accepted
+        if on_device:
+            out.spec_found = num
+            self._note_verified(plan, spec, verified, placeholders, out)
+
+    def _note_verified(self, plan: StepPlan, spec: list[int], verified, placeholders: torch.Tensor,
+                       out: LaunchedStep) -> None:
+        """The next step, planned as if every placeholder held a kept proposal, is fed each
+        verified sequence's last token and moved back by the placeholders not kept."""
+        added = verified.token_ids.gather(1, verified.num_accepted[:, None])[:, 0]
+        shift = (verified.num_accepted - placeholders).to(torch.int32)
+        sampled = out.token_ids
+        if sampled is None:  # no plain rows sampled by this step
+            rows, sampled = {}, added[:0]
+        else:
+            rows = self._last_rows
+        self._last_rows = rows | {plan.chunks[i].request_id: len(sampled) + j for j, i in enumerate(spec)}
+        self._last_token_ids = torch.cat([sampled, added])
+        plain = torch.zeros(len(sampled), dtype=torch.int32, device=self.device)
+        self._last_shift = torch.cat([plain, shift])
+        self._last_step = out
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
         rows, targets = [], []

@@ -48,6 +48,7 @@ class LaunchedStep:
     spec_chunks: list[int] = field(default_factory=list)
     spec_token_ids: torch.Tensor | None = None
     spec_accepted: torch.Tensor | None = None
+    spec_found: torch.Tensor | None = None  # proposals made on the device: each one's length
     _host: dict = field(default_factory=dict)
     _event: torch.cuda.Event | None = None
     timing: StepTiming | None = None  # when launched with timed=True
@@ -55,7 +56,7 @@ class LaunchedStep:
     def start_copies(self) -> None:
         """Queue device-to-host copies of everything the host will read."""
         tensors = {"token_ids": self.token_ids, "spec_token_ids": self.spec_token_ids,
-                   "spec_accepted": self.spec_accepted}
+                   "spec_accepted": self.spec_accepted, "spec_found": self.spec_found}
         for name in ("sample_lps", "prompt_lps"):
             lps = getattr(self, name)
             if lps is not None:
@@ -95,6 +96,8 @@ class LaunchedStep:
             ids, accepted = self._host["spec_token_ids"].tolist(), self._host["spec_accepted"].tolist()
             for j, i in enumerate(self.spec_chunks):
                 result.speculated[i] = ids[j][: accepted[j] + 1]
+            if "spec_found" in self._host:
+                result.num_proposed = dict(zip(self.spec_chunks, self._host["spec_found"].tolist()))
         if self.prompt_tasks:
             lps = self._host_lps("prompt_lps")
             j = 0

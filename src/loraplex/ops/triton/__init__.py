@@ -26,6 +26,7 @@ from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
 from loraplex.ops.triton.mla_decode import mla_decode_attention
 from loraplex.ops.triton.mla_prefill import mla_prefill_attention
 from loraplex.ops.triton.moe_route import route_experts
+from loraplex.ops.triton.ngram_inputs import ngram_inputs
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.pair_rows import copy_rows_to_pairs
 from loraplex.ops.triton.rms_norm import add_rms_norm, rms_norm, rms_norm_backward, rms_norm_train
@@ -111,6 +112,7 @@ __all__ = [
     "lora_shrink",
     "paged_attention",
     "race_sample",
+    "ngram_inputs",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_train",

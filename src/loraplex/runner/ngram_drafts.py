@@ -1,0 +1,58 @@
+"""n-gram speculation planned ahead of results: the proposals are made on the device.
+
+A step that verifies proposals adds 1 to k + 1 tokens to each of its sequences, so the
+host cannot know, while that step runs, where each sequence's next step starts or which
+tokens end it. The scheduler plans the next step anyway, as if every proposal were kept
+(engine/scheduler.py), with k placeholder tokens after a pending one for each request
+that speculates; before that step runs, one kernel (`ops.ngram_inputs`) completes its
+inputs from the step before: the token each sequence added (the pending one), its
+positions and KV slots moved back by the proposals not kept, and the proposals
+themselves, found in a per-sequence history of its tokens on the device (a row the
+scheduler assigns at admission; every step records its tokens there). Planning thus
+overlaps the device's work as in plain decoding, and a proposal always reads the
+sequence's newest tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex import ops
+from loraplex.config import SpeculativeConfig
+from loraplex.device import to_device
+from loraplex.runner.batch_meta import StepInputs
+from loraplex.types import PENDING_TOKEN, StepPlan
+
+
+class NgramDrafts:
+    def __init__(self, spec: SpeculativeConfig, max_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.block_size = block_size
+        # Row r: the tokens of the request holding row r, by position.
+        self.history = torch.zeros(max_seqs, max_model_len, dtype=torch.int32, device=device)
+        self._no_shift = torch.zeros(max(max_seqs, 1), dtype=torch.int32, device=device)
+        self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def complete(self, plan: StepPlan, inputs: StepInputs, last_ids: torch.Tensor | None,
+                 last_shift: torch.Tensor | None, last_rows: dict[str, int]) -> torch.Tensor:
+        """Complete `inputs` (in place) from the previous step's device outputs: last_ids
+        the token each of its rows added, last_shift (None: zeros) by how much each
+        row's sequence fell short of the plan, last_rows each request's row. Returns
+        each chunk's proposal length [C] int32 (the rest of its placeholders are
+        verified as no proposal)."""
+        meta = []
+        for chunk in plan.chunks:
+            src = last_rows[chunk.request_id] if chunk.token_ids[0] == PENDING_TOKEN else -1
+            meta.append((src, chunk.history_row, len(chunk.draft_ids) if chunk.device_drafts else 0))
+            if chunk.history_prefix:  # tokens it found cached: never fed, so recorded here
+                prefix = to_device(chunk.history_prefix, torch.int32, self.history.device)
+                self.history[chunk.history_row, : len(prefix)] = prefix
+        attn = inputs.attn
+        if last_ids is None:
+            last_ids = self._no_ids
+        return ops.ngram_inputs(
+            inputs.input_ids, inputs.positions, attn.slot_mapping, attn.seq_lens, attn.block_tables,
+            attn.query_start_loc, to_device(meta, torch.int32, self.history.device), last_ids,
+            self._no_shift if last_shift is None else last_shift, self.history, self.block_size,
+            self.n_min, self.n_max, max(m[2] for m in meta))
