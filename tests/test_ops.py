@@ -595,3 +595,27 @@ def test_ngram_inputs(backend, seed):
         end = length + len(proposal)
         assert inputs["history"][row, :end].tolist() == hist[row, :end].tolist()
     assert sum(found.tolist()) > 0  # the layout makes some proposals
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_greedy_accept(backend, k):
+    """Greedy verification: proposals read from the input ids kept while each equals the
+    argmax before it (up to each sequence's count), then the argmax after them."""
+    gen = torch.Generator().manual_seed(k)
+    s, vocab = 9, 3  # a tiny vocabulary: proposals often agree
+    best = torch.randint(0, vocab, (s, k + 1), generator=gen)
+    input_ids = torch.randint(0, vocab, (s * (k + 2),), generator=gen)
+    firsts = [i * (k + 2) + int(torch.randint(0, 2, (1,), generator=gen)) for i in range(s)]
+    slots = [int(torch.randint(0, k + 1, (1,), generator=gen)) for _ in range(s)]
+    found = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=gen)) for n in slots] + [0],
+                         dtype=torch.int32)
+    spec = torch.tensor([[f, n, i] for i, (f, n) in enumerate(zip(firsts, slots))])
+    token_ids, accepted, shift = ops.greedy_accept(best.to(DEVICE), input_ids.to(DEVICE), spec.to(DEVICE),
+                                                   found.to(DEVICE))
+    for i in range(s):
+        a = 0
+        while a < found[i] and input_ids[firsts[i] + 1 + a] == best[i, a]:
+            a += 1
+        want = input_ids[firsts[i] + 1: firsts[i] + 1 + a].tolist() + [int(best[i, a])] + [-1] * (k - a)
+        assert token_ids[i].tolist() == want and accepted[i] == a and shift[i] == a - slots[i], i
+    assert accepted.sum() > 0

@@ -11,11 +11,11 @@ import torch
 from conftest import ARCHS, DTYPE, assert_same_greedy_tokens, make_llm, random_prompts
 from quantized import write_tiny_qwen3_moe
 
-from loraplex import LoRARequest, SamplingParams
+from loraplex import LoRARequest, SamplingParams, ops
 from loraplex.config import SpeculativeConfig
 from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
-from loraplex.runner.rejection import greedy_verify, rejection_sample
+from loraplex.runner.rejection import Verified, rejection_sample
 
 # -- configuration -------------------------------------------------------------------------
 
@@ -110,13 +110,20 @@ def _one_hot_probs(argmaxes: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def _verify_greedy(how: str, probs: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor):
-    """Greedy rows through rejection_sample, or through greedy_verify (from logits)."""
-    if how == "greedy_verify":
-        return greedy_verify(probs.log(), drafts, num)
+    """Greedy rows through rejection_sample, or through ops.greedy_accept (from the
+    argmax, proposals read from a step's input ids: row 0 of each sequence is its last
+    known token)."""
+    if how == "greedy_accept":
+        s, k = drafts.shape
+        input_ids = torch.cat([torch.zeros(s, 1, dtype=torch.int64), drafts], dim=1).flatten()
+        spec = torch.tensor([[i * (k + 1), k, i] for i in range(s)])
+        token_ids, accepted, shift = ops.greedy_accept(probs.argmax(-1), input_ids, spec, num.to(torch.int32))
+        assert shift.tolist() == (accepted - k).tolist()
+        return Verified(token_ids, accepted)
     return rejection_sample(probs, drafts, num, greedy=torch.ones(len(num), dtype=torch.bool))
 
 
-@pytest.mark.parametrize("how", ["rejection_sample", "greedy_verify"])
+@pytest.mark.parametrize("how", ["rejection_sample", "greedy_accept"])
 def test_greedy_rows_keep_proposals_while_they_are_the_argmax(how):
     probs = _one_hot_probs([[3, 1, 4, 2], [3, 1, 4, 2], [3, 1, 4, 2], [5, 5, 5, 5]], vocab=8)
     drafts = torch.tensor([[3, 1, 4], [3, 0, 4], [6, 1, 4], [5, 5, 5]])
@@ -126,7 +133,7 @@ def test_greedy_rows_keep_proposals_while_they_are_the_argmax(how):
     assert out.token_ids.tolist() == [[3, 1, 4, 2], [3, 1, -1, -1], [3, -1, -1, -1], [5, 5, -1, -1]]
 
 
-@pytest.mark.parametrize("how", ["rejection_sample", "greedy_verify"])
+@pytest.mark.parametrize("how", ["rejection_sample", "greedy_accept"])
 def test_no_proposals_is_plain_decoding(how):
     probs = _one_hot_probs([[2], [6]], vocab=8)
     out = _verify_greedy(how, probs, torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long))

@@ -192,6 +192,20 @@ def ngram_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping:
                               chunks, last_ids, last_shift, history, block_size, n_min, n_max, max_drafts)
 
 
+def greedy_accept(best: torch.Tensor, input_ids: torch.Tensor, spec: torch.Tensor,
+                  found: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Semantics: greedy verification of speculated tokens. best [S, k + 1] int64: the
+    target's argmax at each verified row of sequence s (row 0 its last known token);
+    spec [S, 3] int64: (first, slots, c): its proposals are input_ids[first + 1 : first
+    + 1 + found[c]] (found int32, indexed by chunk), out of `slots` draft positions.
+    Kept: the proposals before the first one that differs from best[s, j]; then the
+    extra token best[s, a] (a = the number kept). Returns token_ids [S, k + 1] int64 (the
+    kept proposals, the extra token, then -1), num_accepted [S] int64 and shift [S]
+    int32 = a - slots (where the sequence's next step starts against a plan that kept
+    every slot)."""
+    return _impl.greedy_accept(best, input_ids, spec, found)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -409,6 +423,7 @@ __all__ = [
     "add_rms_norm",
     "dequantize",
     "fused_experts",
+    "greedy_accept",
     "linear",
     "ngram_inputs",
     "quantize",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, group_tokens
+from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch, LoRABatch, group_tokens
 from loraplex.types import StepPlan
 
 
@@ -132,6 +132,9 @@ class InputBuffers:
             if n == 1:
                 positions.append(start)
                 slots.append(pages[start // bs] * bs + start % bs)
+            elif n <= SHORT_QUERY_MAX:  # verification: plain Python beats numpy's per-call cost
+                positions += range(start, start + n)
+                slots += [pages[p // bs] * bs + p % bs for p in range(start, start + n)]
             else:
                 pos = np.arange(start, start + n)
                 positions += pos.tolist()

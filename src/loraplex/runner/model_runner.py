@@ -46,7 +46,7 @@ from loraplex.runner.batch_meta import InputBuffers, StepInputs
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
 from loraplex.runner.ngram_drafts import NgramDrafts
-from loraplex.runner.rejection import greedy_verify, rejection_sample
+from loraplex.runner.rejection import rejection_sample
 from loraplex.runner.sampler import SamplingRows, sample, sampling_probs, token_logprobs
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.runner.structured import GrammarRows
@@ -380,11 +380,17 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
-        if inputs.sample_chunks:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            self._sample(plan, inputs.sample_chunks, logits, out)
-        if any(c.draft_ids for c in plan.chunks):
-            self._verify(plan, inputs, hidden, out, found)
+        spec = _SpecRows(plan, inputs, self.device) if any(c.draft_ids for c in plan.chunks) else None
+        # One pass over the vocabulary's weights for the sampled and the verified rows.
+        rows = [r for r in (inputs.sample_rows if inputs.sample_chunks else None,
+                            spec.rows if spec else None) if r is not None]
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.cat(rows) if len(rows) > 1 else rows[0]])
+            num_sampled = len(inputs.sample_chunks)
+            if inputs.sample_chunks:
+                self._sample(plan, inputs.sample_chunks, logits[:num_sampled], out)
+            if spec is not None:
+                self._verify(plan, inputs, spec, logits[num_sampled:], out, found)
         self._prompt_logprobs(plan, inputs.attn.query_start_loc_cpu, hidden, out)
         out.start_copies()
         if start is not None:
@@ -497,55 +503,41 @@ class ModelRunner:
         self._last_token_ids, self._last_step, self._last_shift = token_ids, out, None
         self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
 
-    def _verify(self, plan: StepPlan, inputs: StepInputs, hidden: torch.Tensor, out: LaunchedStep,
-                found: torch.Tensor | None):
-        """Speculated chunks: the target's distributions at the last known token and at
-        each proposal, then rejection sampling (runner/rejection.py) over [S, k + 1]
-        rows (shorter proposals padded with their last row). Proposals made on the
-        device (`found`: each chunk's proposal length) are read from the step's input
-        ids."""
-        qsl = inputs.attn.query_start_loc_cpu
-        spec = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
-        k = max(len(plan.chunks[i].draft_ids) for i in spec)
-        rows, drafts, draft_rows, num = [], [], [], []
-        for i in spec:
-            d = plan.chunks[i].draft_ids
-            first = qsl[i] + plan.chunks[i].num_tokens - len(d) - 1  # the last known token's row
-            rows += [first + min(j, len(d)) for j in range(k + 1)]
-            draft_rows += [first + 1 + min(j, len(d) - 1) for j in range(k)]
-            drafts.append(d + [0] * (k - len(d)))
-            num.append(len(d))
-        sps = [plan.chunks[i].sampling for i in spec for _ in range(k + 1)]
-        logits = self.model.compute_logits(hidden[to_device(rows, torch.int64, self.device)])
+    def _verify(self, plan: StepPlan, inputs: StepInputs, spec: _SpecRows, logits: torch.Tensor,
+                out: LaunchedStep, found: torch.Tensor | None):
+        """Speculated chunks, from the target's logits at their rows (spec.rows): greedy
+        acceptance (ops.greedy_accept) or rejection sampling (runner/rejection.py), which
+        keeps the target's distribution. Proposals are read from the step's input ids;
+        `found`: how many each chunk's draft positions hold, where the device proposed
+        them (else all of them)."""
         if not self.leader:  # the leader verifies; the step after it is planned from its result
             return
-        on_device = plan.chunks[spec[0]].device_drafts
-        if on_device:
-            drafts = inputs.input_ids[to_device(draft_rows, torch.int64, self.device)].view(len(spec), k)
-            placeholders = to_device(num, torch.int64, self.device)
-            num = found[to_device(spec, torch.int64, self.device)].long()
-        else:
-            drafts = to_device(drafts, torch.int64, self.device)
-            num = to_device(num, torch.int64, self.device)
+        chunks, k = spec.chunks, spec.k
+        found = spec.counts if found is None else found
+        sps = [plan.chunks[i].sampling for i in chunks]
         if all(sp.greedy for sp in sps):
-            verified = greedy_verify(logits.view(len(spec), k + 1, -1), drafts, num)
+            best = logits.view(len(chunks), k + 1, -1).argmax(dim=-1)
+            token_ids, accepted, shift = ops.greedy_accept(best, inputs.input_ids, spec.meta, found)
         else:
-            probs = sampling_probs(logits, [sp.temperature for sp in sps], [sp.top_k for sp in sps],
-                                   [sp.top_p for sp in sps]).view(len(spec), k + 1, -1)
-            greedy = to_device([plan.chunks[i].sampling.greedy for i in spec], torch.bool, self.device)
-            verified = rejection_sample(probs, drafts, num, greedy, generator=self.generator)
-        out.spec_chunks = spec
-        out.spec_token_ids, out.spec_accepted = verified.token_ids, verified.num_accepted
-        if on_device:
-            out.spec_found = num
-            self._note_verified(plan, spec, verified, placeholders, out)
+            row_sps = [sp for sp in sps for _ in range(k + 1)]
+            probs = sampling_probs(logits, [sp.temperature for sp in row_sps], [sp.top_k for sp in row_sps],
+                                   [sp.top_p for sp in row_sps]).view(len(chunks), k + 1, -1)
+            greedy = to_device([sp.greedy for sp in sps], torch.bool, self.device)
+            drafts = inputs.input_ids[spec.draft_rows].view(len(chunks), k)
+            verified = rejection_sample(probs, drafts, found[spec.meta[:, 2]].long(), greedy,
+                                        generator=self.generator)
+            token_ids, accepted = verified.token_ids, verified.num_accepted
+            shift = (accepted - spec.meta[:, 1]).to(torch.int32)
+        out.spec_chunks, out.spec_token_ids, out.spec_accepted = chunks, token_ids, accepted
+        if plan.chunks[chunks[0]].device_drafts:
+            out.spec_found = found[spec.meta[:, 2]]
+            self._note_verified(plan, chunks, token_ids, accepted, shift, out)
 
-    def _note_verified(self, plan: StepPlan, spec: list[int], verified, placeholders: torch.Tensor,
-                       out: LaunchedStep) -> None:
-        """The next step, planned as if every placeholder held a kept proposal, is fed each
-        verified sequence's last token and moved back by the placeholders not kept."""
-        added = verified.token_ids.gather(1, verified.num_accepted[:, None])[:, 0]
-        shift = (verified.num_accepted - placeholders).to(torch.int32)
+    def _note_verified(self, plan: StepPlan, spec: list[int], token_ids: torch.Tensor, accepted: torch.Tensor,
+                       shift: torch.Tensor, out: LaunchedStep) -> None:
+        """The next step, planned as if every draft position held a kept proposal, is fed
+        each verified sequence's last token and moved back by `shift` (<= 0)."""
+        added = token_ids.gather(1, accepted[:, None])[:, 0]
         sampled = out.token_ids
         if sampled is None:  # no plain rows sampled by this step
             rows, sampled = {}, added[:0]
@@ -624,6 +616,30 @@ class ModelRunner:
             raise ValueError(f"stop_token_ids outside [0, {vocab})")
         eos = [] if sp.ignore_eos else list(self.eos_token_ids)
         return eos + sp.stop_token_ids
+
+
+class _SpecRows:
+    """A step's speculated chunks on the device, from one upload: the logits rows of each
+    (its last known token, then each draft position; a shorter proposal's padded with
+    its last), the rows of its draft positions in the input ids, (first row, draft
+    positions, chunk index) per chunk, and each chunk's draft count as the host knows it."""
+
+    def __init__(self, plan: StepPlan, inputs: StepInputs, device: torch.device):
+        qsl = inputs.attn.query_start_loc_cpu
+        self.chunks = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
+        self.k = k = max(len(plan.chunks[i].draft_ids) for i in self.chunks)
+        rows, draft_rows, meta = [], [], []
+        for i in self.chunks:
+            n = len(plan.chunks[i].draft_ids)
+            first = qsl[i] + plan.chunks[i].num_tokens - n - 1  # the last known token's row
+            rows += [first + min(j, n) for j in range(k + 1)]
+            draft_rows += [first + 1 + min(j, n - 1) for j in range(k)]
+            meta += [first, n, i]
+        counts = [len(c.draft_ids or ()) for c in plan.chunks]
+        index = to_device(rows + draft_rows + meta + counts, torch.int64, device)
+        self.rows, self.draft_rows, meta_t, self.counts = index.split(
+            [len(rows), len(draft_rows), len(meta), len(counts)])
+        self.meta = meta_t.view(-1, 3)
 
 
 def _mix64(seed: int, index: int) -> int:

@@ -9,7 +9,9 @@ such as the n-gram one, q_j = one-hot(d_j)). Left to right, d_j is kept with
 probability min(1, p_{j-1}(d_j) / q_j(d_j)); at the first rejection the step emits one
 token drawn from the residual max(p_{j-1} - q_j, 0), renormalized, and stops; if all n
 are kept it draws a bonus token from p_n. Greedy rows keep d_j while it is the argmax
-of p_{j-1} and emit the argmax where it is not: the tokens plain greedy decoding gives.
+of p_{j-1} and emit the argmax where it is not: the tokens plain greedy decoding gives
+(a step whose rows are all greedy takes ops.greedy_accept instead, from the logits'
+argmax in one launch).
 
 Plain torch over padded [S, k + 1] layouts (S sequences, k the longest proposal; a
 step verifies at most max_num_seqs x (k + 1) rows).
@@ -85,19 +87,6 @@ def rejection_sample(
     extra = torch.where(greedy, p_next.argmax(dim=-1), drawn)
 
     return _verified(draft_ids, num_accepted, extra)
-
-
-def greedy_verify(logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor) -> Verified:
-    """rejection_sample where every row is greedy, from the logits [S, k + 1, V] (no
-    distribution needed: a proposal is kept while it is the argmax, and the argmax after
-    the last kept one is the extra token). A handful of kernels, where a step of greedy
-    rows waits on its host to launch each."""
-    k = logits.shape[1] - 1
-    best = logits.argmax(dim=-1)  # [S, k + 1]
-    positions = torch.arange(k, device=logits.device)
-    kept = (draft_ids == best[:, :k]) & (positions[None, :] < num_drafts[:, None])
-    num_accepted = torch.cumprod(kept.long(), dim=-1).sum(dim=-1)
-    return _verified(draft_ids, num_accepted, best.gather(1, num_accepted[:, None])[:, 0])
 
 
 def _verified(draft_ids: torch.Tensor, num_accepted: torch.Tensor, extra: torch.Tensor) -> Verified:

@@ -18,7 +18,7 @@ from loraplex.ops.reference.moe import fused_experts, route_experts, route_exper
 from loraplex.ops.reference.quant import dequantize, quantize
 from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.reference.sampling import race_sample
-from loraplex.ops.reference.speculation import ngram_inputs
+from loraplex.ops.reference.speculation import greedy_accept, ngram_inputs
 from loraplex.ops.reference.train_moe import (
     copy_rows_to_pairs,
     grouped_lora_add,
@@ -46,6 +46,7 @@ __all__ = [
     "paged_attention",
     "race_sample",
     "ngram_inputs",
+    "greedy_accept",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_train",

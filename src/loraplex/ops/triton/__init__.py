@@ -13,6 +13,7 @@ from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
+from loraplex.ops.triton.greedy_accept import greedy_accept
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
 from loraplex.ops.triton.int4_gemm import int4_dequantize, int4_linear
 from loraplex.ops.triton.kv_cache import write_kv_cache, write_latent_cache
@@ -113,6 +114,7 @@ __all__ = [
     "paged_attention",
     "race_sample",
     "ngram_inputs",
+    "greedy_accept",
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_train",
