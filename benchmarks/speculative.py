@@ -13,7 +13,8 @@ and without; the share of proposals kept; tokens per verified step.
 engine step (synchronous scheduling on both sides) where every sequence verifies k
 proposed tokens that are never kept, against a plain one-token decode step; then whole
 runs of --output-len tokens where every request always has a proposal, never kept
-(the scheduler's adaptivity deciding how many it verifies), against
+(on the device too: never_kept_on_device; the scheduler's adaptivity deciding how many
+it verifies), against
 speculation off (both with async scheduling, the default), medians of --repeats
 alternated runs.
 
@@ -144,6 +145,8 @@ def cost(args) -> dict:
     llm, _ = harness.dummy_llm(model, args.cache_dir, max_loras=1, max_num_seqs=args.batch,
                                max_model_len=max_len, speculative_config=spec)
     engine, scheduler = llm.engine, llm.engine.scheduler
+    if engine.runner.ngram is not None:
+        never_kept_on_device(engine.runner.ngram, engine.config.model.vocab_size)
 
     def step_ms(propose) -> float:
         """Mean wall time of an engine step with `propose` as the scheduler's proposer."""
@@ -178,15 +181,18 @@ def cost(args) -> dict:
         return time.perf_counter() - t0
 
     class NeverKept:  # an n-gram index whose proposals the model (nearly) never samples
-        def __init__(self, n_min, n_max):
+        def __init__(self, n_min, n_max=None):
             pass
 
         def propose(self, prompt, output, room):
             return [vocab - 1 - i for i in range(room)]
 
+        def matches(self, prompt, output):  # SeenSuffix's question: always a proposal
+            return True
+
     import loraplex.engine.scheduler as scheduler_module
 
-    scheduler_module.NgramIndex = NeverKept
+    scheduler_module.NgramIndex = scheduler_module.SeenSuffix = NeverKept
     config = scheduler.speculative
     run_s(None), run_s(config)  # warm-up
     drafted = scheduler.num_draft_tokens
@@ -204,6 +210,34 @@ def cost(args) -> dict:
     for key, value in results.items():
         print(f"{key:28s} {value:10.3f}")
     return results
+
+
+def never_kept_on_device(ngram, vocab: int) -> None:
+    """Proposals made on the device (runner/ngram_drafts.py) that fill every draft
+    position with tokens the model (nearly) never samples, as NeverKept does on the
+    host: written after the real search, from the plan's host-side layout (no sync)."""
+    import torch
+
+    from loraplex.device import to_device
+
+    search = ngram.complete
+
+    def complete(plan, inputs, *args):
+        found = search(plan, inputs, *args)
+        qsl = inputs.attn.query_start_loc_cpu
+        rows, values, counts = [], [], []
+        for c, chunk in enumerate(plan.chunks):
+            k = len(chunk.draft_ids) if chunk.device_drafts else 0
+            rows += range(qsl[c + 1] - k, qsl[c + 1])
+            values += [vocab - 1 - j for j in range(k)]
+            counts.append(k)
+        if rows:
+            device = inputs.input_ids.device
+            inputs.input_ids[to_device(rows, torch.int64, device)] = to_device(values, torch.int64, device)
+            found.copy_(to_device(counts, torch.int32, device))
+        return found
+
+    ngram.complete = complete
 
 
 def main(argv=None):

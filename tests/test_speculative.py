@@ -13,7 +13,7 @@ from quantized import write_tiny_qwen3_moe
 
 from loraplex import LoRARequest, SamplingParams, ops
 from loraplex.config import SpeculativeConfig
-from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, draft_length, propose_ngram
+from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, SeenSuffix, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
 from loraplex.runner.rejection import Verified, rejection_sample
 
@@ -96,6 +96,24 @@ def test_the_incremental_index_proposes_what_the_search_does():
             want = propose_ngram(prompt + output, k, n_min, n_max)
             assert index.propose(prompt, output, k) == want, (prompt, output, n_min, n_max, k)
             output += torch.randint(0, 2 + trial % 6, (1 + len(output) % 4,), generator=gen).tolist()
+
+
+def test_seen_suffix_says_whether_the_search_proposes():
+    """SeenSuffix (the scheduler's test for proposals made on the device) is true exactly
+    where propose_ngram proposes something, for any n_max, as tokens arrive."""
+    gen = torch.Generator().manual_seed(6)
+    hits = 0
+    for trial in range(60):
+        n_min = 1 + trial % 3
+        seen = SeenSuffix(n_min)
+        prompt = torch.randint(0, 2 + trial % 8, (1 + trial % 7,), generator=gen).tolist()
+        output = []
+        while len(output) < 60:
+            want = bool(propose_ngram(prompt + output, 1, n_min, n_min + trial % 4))
+            assert seen.matches(prompt, output) == want, (prompt, output, n_min)
+            hits += want
+            output += torch.randint(0, 2 + trial % 8, (1 + len(output) % 4,), generator=gen).tolist()
+    assert hits > 100
 
 
 # -- verification ----------------------------------------------------------------------------
@@ -244,6 +262,16 @@ class _RepeatLast:
         return [(output or prompt)[-1]] * room
 
 
+class _AlwaysSeen:
+    """SeenSuffix that always says a proposal would be found."""
+
+    def __init__(self, n_min):
+        pass
+
+    def matches(self, prompt, output):
+        return True
+
+
 def _repeat_last_on_device(ngram_inputs):
     """ops.ngram_inputs whose proposals repeat each chunk's last known token (the
     device-side twin of _RepeatLast; history rows keep their real proposals' writes)."""
@@ -270,6 +298,7 @@ def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     from loraplex.runner import ngram_drafts
 
     monkeypatch.setattr(scheduler_module, "NgramIndex", _RepeatLast)
+    monkeypatch.setattr(scheduler_module, "SeenSuffix", _AlwaysSeen)
     real = ngram_drafts.ops.ngram_inputs
     monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", _repeat_last_on_device(real))
     llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterTicket
-from loraplex.engine.speculative import Acceptance, NgramIndex
+from loraplex.engine.speculative import Acceptance, NgramIndex, SeenSuffix
 from loraplex.types import (
     PENDING_TOKEN,
     LoRARequest,
@@ -74,6 +74,7 @@ class Request:
     # before it there (admitted with cached pages).
     history_row: int = -1
     history_prefix_due: bool = False
+    seen_suffix: SeenSuffix | None = None  # whether its known tokens would propose
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -26,7 +26,7 @@ from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import DRAFT_TOKENS_PER_STEP, SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import NgramIndex, speculates
+from loraplex.engine.speculative import NgramIndex, SeenSuffix, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
@@ -171,14 +171,16 @@ class Scheduler:
             return []
         if spec.method == "draft_model":
             drafts = [0] * room  # placeholders: the engine's DraftModel fills them in
+        elif self.ngram_on_device:
+            # Where its known tokens would propose (its in-flight ones likely go on
+            # matching): room placeholders, which the runner fills from the newest tokens.
+            if req.seen_suffix is None:
+                req.seen_suffix = SeenSuffix(spec.prompt_lookup_min)
+            drafts = [0] * room if req.seen_suffix.matches(req.prompt_token_ids, req.output_token_ids) else []
         else:
             if req.ngram is None:
                 req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
             drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
-            if self.ngram_on_device and drafts:
-                # The known tokens matched (the in-flight ones may go on matching): room
-                # placeholders, which the runner fills from the newest tokens.
-                drafts = [0] * room
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         self._draft_room -= len(drafts)
