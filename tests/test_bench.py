@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from speculation import AlwaysSeen, repeat_last_on_device
 
 from loraplex.bench.clients import run_http
 from loraplex.bench.report import RequestRecord, summarize
@@ -305,12 +306,22 @@ def test_plot_runs_share_bins(monkeypatch, tmp_path):
     plot([run("steady", 0.1 + 0.001 * np.arange(50), 0.010, spread=0)], str(tmp_path / "p.png"))
 
 
-def test_bench_reports_speculation(model_dirs, tmp_path, capsys):
+def test_bench_reports_speculation(model_dirs, tmp_path, capsys, monkeypatch):
+    """The share of proposals kept and tokens per verified step, with proposals made
+    on the device (each repeats the last token: random text seldom repeats itself)."""
+    import loraplex.engine.scheduler as scheduler_module
+    from loraplex.runner import ngram_drafts
+
+    monkeypatch.setattr(scheduler_module, "SeenSuffix", AlwaysSeen)
+    real = ngram_drafts.ops.ngram_inputs
+    monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", repeat_last_on_device(real))
     out = tmp_path / "result.json"
     assert cli(["bench", "--model", str(model_dirs["qwen3"]), "--num-prompts", "6", "--input-len", "24",
                 "--output-len", "24", "--max-concurrency", "3", "--num-adapters", "0", "--dtype", "float32",
                 "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
                 "--cache-dir", str(tmp_path / "cache"), "--result-json", str(out)]) == 0
-    assert "of proposed tokens kept" in capsys.readouterr().out
+    printed = capsys.readouterr().out
     extra = json.loads(out.read_text())[0]["extra"]
+    assert extra["spec_proposed_tokens"] > 0
+    assert f"speculation: {extra['spec_proposed_tokens']} tokens proposed, " in printed
     assert 0 <= extra["spec_acceptance_rate"] <= 1 and extra["spec_mean_accepted_length"] >= 1

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import ARCHS, DTYPE, assert_same_greedy_tokens, make_llm, random_prompts
 from quantized import write_tiny_qwen3_moe
+from speculation import AlwaysSeen, repeat_last_on_device
 
 from loraplex import LoRARequest, SamplingParams, ops
 from loraplex.config import SpeculativeConfig
@@ -262,35 +263,6 @@ class _RepeatLast:
         return [(output or prompt)[-1]] * room
 
 
-class _AlwaysSeen:
-    """SeenSuffix that always says a proposal would be found."""
-
-    def __init__(self, n_min):
-        pass
-
-    def matches(self, prompt, output):
-        return True
-
-
-def _repeat_last_on_device(ngram_inputs):
-    """ops.ngram_inputs whose proposals repeat each chunk's last known token (the
-    device-side twin of _RepeatLast; history rows keep their real proposals' writes)."""
-
-    def propose(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc, chunks,
-                *args):
-        found = ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc,
-                             chunks, *args)
-        qsl = query_start_loc.tolist()
-        for c, (_, row, k) in enumerate(chunks.tolist()):
-            if k and row >= 0:
-                end = qsl[c + 1]
-                input_ids[end - k: end] = input_ids[end - k - 1]
-                found[c] = k
-        return found
-
-    return propose
-
-
 def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     """Temperature 0.8 with top-p, unseeded: rows speculate and every request gets its
     max_tokens (the distribution itself: test_sampled_tokens_keep_the_target_distribution)."""
@@ -298,9 +270,9 @@ def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     from loraplex.runner import ngram_drafts
 
     monkeypatch.setattr(scheduler_module, "NgramIndex", _RepeatLast)
-    monkeypatch.setattr(scheduler_module, "SeenSuffix", _AlwaysSeen)
+    monkeypatch.setattr(scheduler_module, "SeenSuffix", AlwaysSeen)
     real = ngram_drafts.ops.ngram_inputs
-    monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", _repeat_last_on_device(real))
+    monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", repeat_last_on_device(real))
     llm = make_llm(model_dirs["qwen3"], speculative_config=SPEC)
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)

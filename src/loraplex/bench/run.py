@@ -123,9 +123,11 @@ def main(args: argparse.Namespace) -> int:
                   f"TPOT median {tpot:.2f} x base")
         if r.extra.get("steps"):
             print(f"{r.label}: engine steps {r.extra['steps']}")
-        if "spec_acceptance_rate" in r.extra:
-            print(f"{r.label}: {r.extra['spec_acceptance_rate']:.1%} of proposed tokens kept, "
-                  f"{r.extra['spec_mean_accepted_length']:.2f} tokens per verified step")
+        if "spec_proposed_tokens" in r.extra:
+            kept = (f", {r.extra['spec_acceptance_rate']:.1%} of them kept, "
+                    f"{r.extra['spec_mean_accepted_length']:.2f} tokens per verified step"
+                    if "spec_acceptance_rate" in r.extra else "")
+            print(f"{r.label}: speculation: {r.extra['spec_proposed_tokens']} tokens proposed{kept}")
         if "prefix_cache_hit_rate" in r.extra:
             print(f"{r.label}: {r.extra['prefix_cache_hit_rate']:.1%} of prompt tokens from the prefix cache")
         if "adapter_tiers" in r.extra:
@@ -256,6 +258,8 @@ def _run_in_process(args, model_dir: Path, dummy: bool):
             extra["prefix_cache_hit_rate"] = round(
                 (stats["prefix_cache_hit_tokens"] - stats_before["prefix_cache_hit_tokens"]) / queried, 4)
         drafted = stats["spec_draft_tokens"] - stats_before["spec_draft_tokens"]
+        if engine.config.speculative is not None:  # this run's proposals (none where nothing matched)
+            extra["spec_proposed_tokens"] = drafted
         if drafted:  # speculation: the share of proposals kept, tokens per verified step
             accepted = stats["spec_accepted_tokens"] - stats_before["spec_accepted_tokens"]
             verified = stats["spec_verified_chunks"] - stats_before["spec_verified_chunks"]
