@@ -186,3 +186,24 @@ def test_fp8_at_load_time(deepseek, tmp_path):
     for llm in llms:  # the reference ops, and the Triton kernels (the interpreter on CPU)
         for p, out, a in zip(prompts, llm.generate(prompts, SP, loras), loras):
             _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))
+
+
+def test_speculation_changes_no_greedy_token(deepseek):
+    """n-gram speculation over latent attention (verification steps run eagerly: the
+    latent op for chunks longer than one token reads the batch on the host), adapter
+    rows beside base rows: plain decoding's greedy tokens, and proposals were kept."""
+    from conftest import assert_same_greedy_tokens
+
+    model_dir, adapter = deepseek
+    prompts = [([7 + i, 40 + i, 90, 13 + 2 * i] * 6)[: 12 + 3 * i] for i in range(3)]  # they repeat
+    prompts += random_prompts(2, (5, 20), seed=4)
+    lora = LoRARequest("all", 1, str(adapter))
+    loras = [lora if i % 2 else None for i in range(len(prompts))]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = make_llm(model_dir).generate(prompts, SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, logprobs=5), loras)
+    llm = make_llm(model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = llm.generate(prompts, sp, loras)
+    for g, w in zip(got, want):
+        assert_same_greedy_tokens(g.outputs[0], w.outputs[0])
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0

@@ -180,3 +180,29 @@ def test_gpt_oss_adapters_match_peft(gpt_oss_dir, tmp_path):
         assert (diff.max() if DTYPE == "float32" else diff.median()) <= tolerance(), diff
     with_adapter = HFOracle(gpt_oss_dir, adapter).prompt_logprobs(prompts[1])
     assert (with_adapter - oracles[1].prompt_logprobs(prompts[1])).abs().max() > 0.05  # it matters
+
+
+def test_speculation_changes_no_greedy_token(gpt_oss_dir, monkeypatch):
+    """n-gram speculation with sinks and sliding windows of 8 tokens: plain decoding's
+    greedy tokens, with proposals partly kept (this random model's text never repeats
+    itself, so proposals come from plain decoding's output: two right, then wrong)."""
+    from conftest import assert_same_greedy_tokens
+    from speculation import AlwaysSeen, oracle_on_device
+
+    import loraplex.engine.scheduler as scheduler_module
+    from loraplex.runner import ngram_drafts
+
+    prompts = [([7 + i, 40 + i, 90, 13 + 2 * i] * 6)[: 12 + 3 * i] for i in range(3)]
+    prompts += random_prompts(2, (5, 20), seed=4)
+    want = make_llm(gpt_oss_dir).generate(prompts, SamplingParams(
+        temperature=0, max_tokens=32, ignore_eos=True, logprobs=5))
+    monkeypatch.setattr(scheduler_module, "SeenSuffix", AlwaysSeen)
+    sequences = [p + w.outputs[0].token_ids for p, w in zip(prompts, want)]
+    real = ngram_drafts.ops.ngram_inputs
+    monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", oracle_on_device(real, sequences, VOCAB))
+    llm = make_llm(gpt_oss_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for g, w in zip(got, want):
+        assert_same_greedy_tokens(g.outputs[0], w.outputs[0])
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
