@@ -15,6 +15,9 @@ the next step feeds from the device (PENDING_TOKEN) before its id reaches the ho
 Decodes are planned before prefill chunks so that a pending token is always consumed by
 the very next step; update() later fills in the ids and applies stop conditions, and a
 request that turns out to have stopped simply has its in-flight token dropped.
+A chunk that verifies k proposals made on the device (ngram_on_device) leaves 1 + k
+pending tokens, planned as if all were kept: the next step starts after them, and the
+runner moves it back by those not kept before it runs; update() does the same here.
 """
 
 from __future__ import annotations
@@ -135,10 +138,11 @@ class Scheduler:
         return plan
 
     def wants_proposals(self) -> bool:
-        """Whether the next plan may propose tokens: a running request speculates and has
-        earned a proposal, or is due a probe. The engine then lets the step in flight
-        finish before planning (a proposal extends the tokens that step samples), and
-        otherwise plans while it runs."""
+        """Whether the next plan may propose tokens on the host: a running request
+        speculates and has earned a proposal, or is due a probe. The engine then lets the
+        step in flight finish before planning (a proposal extends the tokens that step
+        samples), and otherwise plans while it runs. Never with proposals made on the
+        device, which read the step in flight's tokens there."""
         spec = self.speculative
         if spec is None or self.ngram_on_device or not self._batch_speculates():
             return False
