@@ -15,6 +15,8 @@ sequence's newest tokens.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from loraplex import ops
@@ -23,14 +25,19 @@ from loraplex.device import to_device
 from loraplex.runner.batch_meta import StepInputs
 from loraplex.types import PENDING_TOKEN, StepPlan
 
+logger = logging.getLogger("loraplex")
+
 
 class NgramDrafts:
     def __init__(self, spec: SpeculativeConfig, max_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device):
         self.n_min, self.n_max = spec.prompt_lookup_min, spec.prompt_lookup_max
         self.block_size = block_size
-        # Row r: the tokens of the request holding row r, by position.
+        # Row r: the tokens of the request holding row r, by position (allocated before
+        # the KV cache is sized, so the cache leaves room for it).
         self.history = torch.zeros(max_seqs, max_model_len, dtype=torch.int32, device=device)
+        logger.info("n-gram proposals on the device: a token history of %d x %d (%.0f MiB)", max_seqs,
+                    max_model_len, self.history.numel() * 4 / 2**20)
         self._no_shift = torch.zeros(max(max_seqs, 1), dtype=torch.int32, device=device)
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)
 
