@@ -6,7 +6,8 @@ file from the standard library and starts a second copy of it, so the output rep
 input, as an edit or a quotation does. Greedy; per concurrency (requests launched
 together, --concurrency of them), after one unmeasured wave, --waves runs over the
 passages: the median over requests of output tokens/s after the first, with speculation
-and without; the share of proposals kept; tokens per verified step.
+and without; the share of proposals kept; tokens per verified step (--profile-host: one
+more wave under cProfile, its costliest functions in the JSON).
 
 --workload cost: a bundled config on dummy weights (acceptance means nothing there),
 --batch sequences decoding with --prompt-len tokens of context: the wall time of an
@@ -26,6 +27,7 @@ Figure: benchmarks/RESULTS.md, "Speculative decoding".
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -59,6 +61,8 @@ def build_parser():
     p.add_argument("--steps", type=int, default=50, help="cost: engine steps timed per variant")
     p.add_argument("--repeats", type=int, default=5, help="cost: whole runs per variant (median)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--profile-host", action="store_true",
+                   help="quote: one more wave per run under cProfile; its costliest functions in the JSON")
     return p
 
 
@@ -76,6 +80,19 @@ def passages(chars: int) -> list[str]:
 def quote_prompt(passage: str) -> str:
     return ("Here is a Python source file, printed twice.\n\n"
             f"First copy:\n{passage}\n\nSecond copy:\n{passage[:40]}")
+
+
+def host_profile(run, top: int = 25) -> list[dict]:
+    """`run()` under cProfile: its `top` functions by own time, per call in ms."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, prim, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(f).name}:{line}({name})", "calls": calls, "tottime_ms": round(tt * 1e3, 3),
+             "cumtime_ms": round(ct * 1e3, 3)} for (f, line, name), (calls, _, tt, ct, _) in rows]
 
 
 def tokens_per_second(out) -> float:
@@ -122,6 +139,11 @@ def quote(args) -> dict:
                 "tokens_per_verified_step": 1 + kept / verified if verified else None,
                 # Medians over steps.
                 **{f"step_{key}": statistics.median(s[key] for s in steps) for key in STEP_PARTS}}
+            if args.profile_host:  # where the host's time goes (a run's spread is the host's)
+                batch = [prompts[j % len(prompts)] for j in range(c)]
+                adapters = [loras[j % len(loras)] for j in range(c)]
+                results[f"{label} c{c}"]["host_profile"] = host_profile(
+                    functools.partial(llm.generate, batch, sp, adapters, use_tqdm=False))
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
