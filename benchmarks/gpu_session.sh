@@ -257,7 +257,7 @@ for step in $STEPS; do
         --cache-dir "$CACHE" --out "$OUT/spec-cost-gpt-oss.json" | tail -7 ;;
     spec-quote)  # RESULTS: "Speculative decoding" (real weights: the default model, Gemma 3 270M, and its
       # demo adapters quoting standard-library source; built in $LORAPLEX_CACHE beforehand)
-      run spec-quote 400 speculative --workload quote --concurrency 1 2 4 8 --out "$OUT/spec-quote.json" \
+      run spec-quote 400 speculative --workload quote --concurrency 1 2 4 8 --profile-host --out "$OUT/spec-quote.json" \
         | tail -6 ;;
     *) echo "unknown step $step" ;;
   esac
