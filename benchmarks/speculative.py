@@ -83,7 +83,7 @@ def quote_prompt(passage: str) -> str:
 
 
 def host_profile(run, top: int = 25) -> list[dict]:
-    """`run()` under cProfile: its `top` functions by own time, per call in ms."""
+    """`run()` under cProfile: its `top` functions by own time (totals over the run, ms)."""
     import cProfile
     import pstats
 
@@ -118,15 +118,17 @@ def quote(args) -> dict:
                   max_num_seqs=max(args.concurrency), max_model_len=2048)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
         for c in args.concurrency:
-            # A first wave at this batch size is not measured (its shapes' first kernels).
-            llm.generate(prompts[:c], sp, [loras[j % len(loras)] for j in range(c)], use_tqdm=False)
+            def wave(first: int, c: int = c, llm=llm) -> list:
+                """c requests launched together: passages and adapters from `first` on."""
+                return llm.generate([prompts[(first + j) % len(prompts)] for j in range(c)], sp,
+                                    [loras[(first + j) % len(loras)] for j in range(c)], use_tqdm=False)
+
+            wave(0)  # not measured: this batch size's first kernels
             before = llm.engine.stats()
             rates, steps = [], []
             for first in range(0, args.waves * len(prompts), c):
-                batch = [prompts[(first + j) % len(prompts)] for j in range(c)]
-                adapters = [loras[(first + j) % len(loras)] for j in range(c)]
                 with harness.StepLog(llm.engine) as log:
-                    outs = llm.generate(batch, sp, adapters, use_tqdm=False)
+                    outs = wave(first)
                 rates += [tokens_per_second(o) for o in outs]
                 steps += log.steps()
             after = llm.engine.stats()
@@ -140,10 +142,7 @@ def quote(args) -> dict:
                 # Medians over steps.
                 **{f"step_{key}": statistics.median(s[key] for s in steps) for key in STEP_PARTS}}
             if args.profile_host:  # where the host's time goes (a run's spread is the host's)
-                batch = [prompts[j % len(prompts)] for j in range(c)]
-                adapters = [loras[j % len(loras)] for j in range(c)]
-                results[f"{label} c{c}"]["host_profile"] = host_profile(
-                    functools.partial(llm.generate, batch, sp, adapters, use_tqdm=False))
+                results[f"{label} c{c}"]["host_profile"] = host_profile(functools.partial(wave, 0))
         del llm
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -263,7 +262,10 @@ def never_kept_on_device(ngram, vocab: int) -> None:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.waves < 1:
+        parser.error(f"--waves must be at least 1, got {args.waves}")
     results = quote(args) if args.workload == "quote" else cost(args)
     harness.write_json(args.out, results, args)
 

@@ -104,3 +104,12 @@ def test_gpu_session_runs_the_suite():
     for path in BENCH.iterdir():
         if path.is_file() and path.suffix in (".py", ".sh"):
             assert "/tmp/lp" not in path.read_text(), f"{path.name}: caches go to --cache-dir"
+
+
+def test_speculative_refuses_no_waves(capsys):
+    """--waves 0 would measure nothing (a median of no requests): refused at the command line."""
+    from benchmarks import speculative
+
+    with pytest.raises(SystemExit):
+        speculative.main(["--waves", "0"])
+    assert "--waves must be at least 1, got 0" in capsys.readouterr().err

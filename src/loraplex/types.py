@@ -299,10 +299,6 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(c.draft_ids) for c in self.chunks if c.draft_ids)
-
-    @property
     def host_drafts(self) -> bool:
         """Some chunk verifies proposals the host made: the step's results must be in
         before the next plan (its proposals extend them)."""
