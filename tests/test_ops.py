@@ -566,7 +566,7 @@ def test_ngram_inputs(backend, seed):
         slot_mapping=torch.tensor(slots, **dev), seq_lens=torch.tensor(lens, dtype=torch.int32, **dev),
         block_tables=torch.tensor(tables, dtype=torch.int32, **dev),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, **dev),
-        chunks=torch.tensor(meta, dtype=torch.int32, **dev), last_ids=last_ids.to(DEVICE),
+        chunks=torch.tensor(meta, dtype=torch.int64, **dev), last_ids=last_ids.to(DEVICE),
         last_shift=last_shift.to(DEVICE), history=histories.clone().to(DEVICE))
     found = ops.ngram_inputs(**inputs, block_size=bs, n_min=n_min, n_max=n_max, max_drafts=4).cpu()
 
@@ -610,12 +610,14 @@ def test_greedy_accept(backend, k):
     found = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=gen)) for n in slots] + [0],
                          dtype=torch.int32)
     spec = torch.tensor([[f, n, i] for i, (f, n) in enumerate(zip(firsts, slots))])
-    token_ids, accepted, shift = ops.greedy_accept(best.to(DEVICE), input_ids.to(DEVICE), spec.to(DEVICE),
-                                                   found.to(DEVICE))
+    verified, added, shift = ops.greedy_accept(best.to(DEVICE), input_ids.to(DEVICE), spec.to(DEVICE),
+                                               found.to(DEVICE))
+    verified, added, shift = verified.cpu(), added.cpu(), shift.cpu()
     for i in range(s):
         a = 0
         while a < found[i] and input_ids[firsts[i] + 1 + a] == best[i, a]:
             a += 1
         want = input_ids[firsts[i] + 1: firsts[i] + 1 + a].tolist() + [int(best[i, a])] + [-1] * (k - a)
-        assert token_ids[i].tolist() == want and accepted[i] == a and shift[i] == a - slots[i], i
-    assert accepted.sum() > 0
+        assert verified[i].tolist() == want + [a, int(found[i])], i
+        assert added[i] == best[i, a] and shift[i] == a - slots[i], i
+    assert verified[:, k + 1].sum() > 0

@@ -136,8 +136,10 @@ def _verify_greedy(how: str, probs: torch.Tensor, drafts: torch.Tensor, num: tor
         s, k = drafts.shape
         input_ids = torch.cat([torch.zeros(s, 1, dtype=torch.int64), drafts], dim=1).flatten()
         spec = torch.tensor([[i * (k + 1), k, i] for i in range(s)])
-        token_ids, accepted, shift = ops.greedy_accept(probs.argmax(-1), input_ids, spec, num.to(torch.int32))
-        assert shift.tolist() == (accepted - k).tolist()
+        verified, added, shift = ops.greedy_accept(probs.argmax(-1), input_ids, spec, num.to(torch.int32))
+        token_ids, accepted = verified[:, : k + 1], verified[:, k + 1]
+        assert shift.tolist() == (accepted - k).tolist() and verified[:, k + 2].tolist() == num.tolist()
+        assert added.tolist() == token_ids.gather(1, accepted[:, None])[:, 0].tolist()
         return Verified(token_ids, accepted)
     return rejection_sample(probs, drafts, num, greedy=torch.ones(len(num), dtype=torch.bool))
 

@@ -170,7 +170,7 @@ def ngram_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping:
                  max_drafts: int) -> torch.Tensor:
     """Semantics: a step's inputs completed on the device when it was planned before the
     previous step's results (speculation planned ahead; runner/ngram_drafts.py). For
-    each chunk c, chunks[c] = (src, row, k) int32:
+    each chunk c, chunks[c] = (src, row, k) int64:
 
     - src >= 0 (its first token is the one the previous step added): input_ids[first
       token] = last_ids[src]; its positions and seq_lens[c] move by last_shift[src] (the
@@ -199,10 +199,11 @@ def greedy_accept(best: torch.Tensor, input_ids: torch.Tensor, spec: torch.Tenso
     spec [S, 3] int64: (first, slots, c): its proposals are input_ids[first + 1 : first
     + 1 + found[c]] (found int32, indexed by chunk), out of `slots` draft positions.
     Kept: the proposals before the first one that differs from best[s, j]; then the
-    extra token best[s, a] (a = the number kept). Returns token_ids [S, k + 1] int64 (the
-    kept proposals, the extra token, then -1), num_accepted [S] int64 and shift [S]
-    int32 = a - slots (where the sequence's next step starts against a plan that kept
-    every slot)."""
+    extra token best[s, a] (a = the number kept). Returns verified [S, k + 3] int64 (the
+    kept proposals, the extra token, -1 to column k + 1; then a; then found[c]: what the
+    host reads, in one copy), added [S] int64 (the extra token: the one the next step
+    is fed) and shift [S] int32 = a - slots (where the sequence's next step starts
+    against a plan that kept every slot)."""
     return _impl.greedy_accept(best, input_ids, spec, found)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch, LoRABatch, group_tokens
-from loraplex.types import StepPlan
+from loraplex.types import PENDING_TOKEN, StepPlan
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,22 @@ class GraphShape:
 
 
 @dataclass
+class SpecIndex:
+    """A step's speculated chunks (those with draft positions), for verification: the
+    logits rows of each (its last known token, then each draft position; a shorter
+    chunk's padded with its last), the rows of its draft positions in the input ids,
+    (first row, draft positions, chunk index) per chunk, and every chunk's draft count
+    as the host knows it."""
+
+    chunks: list[int]  # plan chunk index of each speculated chunk
+    k: int  # the most draft positions of any
+    rows: torch.Tensor  # [S * (k + 1)] int64
+    draft_rows: torch.Tensor  # [S * k] int64
+    meta: torch.Tensor  # [S, 3] int64
+    counts: torch.Tensor  # [C] int64
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -54,6 +70,11 @@ class StepInputs:
     lora: LoRABatch | None
     sample_rows: torch.Tensor  # [num sampled chunks] token index of each chunk's last token
     sample_chunks: list[int]  # plan chunk index of each sampled row
+    spec: SpecIndex | None = None  # a step that verifies proposals
+    # Proposals made on the device (runner/ngram_drafts.py): per chunk (its row in the
+    # previous step's outputs where its first token is pending, else -1; its history
+    # row; its draft positions the device fills) [C, 3] int64.
+    ngram_chunks: torch.Tensor | None = None
 
 
 class _Buffer:
@@ -110,12 +131,16 @@ class InputBuffers:
         self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
         self.group_ranks = _Buffer(max(1, max_loras), i32, device)
         self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
+        # SpecIndex and ngram_chunks, one upload: their rows are at most two per token.
+        self.spec = _Buffer(7 * rows + 2 * max_tokens, i64, device)
         self._buffers = [b for b in vars(self).values() if isinstance(b, _Buffer)]
 
     def prepare(self, plan: StepPlan, slot_ranks: list[int], graph: GraphShape | None = None,
-                dora_slots: frozenset[int] | set[int] = frozenset()) -> StepInputs:
+                dora_slots: frozenset[int] | set[int] = frozenset(),
+                pending_rows: dict[str, int] | None = None) -> StepInputs:
         """Fill the buffers for `plan`; graph: the shape of the CUDA graph that will run
-        it, to pad to."""
+        it, to pad to; pending_rows (proposals made on the device): each request's row
+        in the previous step's outputs, for StepInputs.ngram_chunks."""
         for b in self._buffers:
             b.next_turn()
         bs = self.block_size
@@ -156,6 +181,7 @@ class InputBuffers:
         self.query_start_loc.np[: num_seqs + 1] = qsl
         self.seq_lens.np[:num_seqs] = seq_lens
         max_query_len = max(c.num_tokens for c in plan.chunks)
+        spec, ngram_chunks = self._spec(plan, qsl, pending_rows)
         if graph is not None:
             assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.short, (plan, graph)
             assert max_query_len <= (graph.query_len or graph.tokens), "chunks longer than the graph's"
@@ -183,7 +209,38 @@ class InputBuffers:
             lora=self._lora(plan, num_tokens, slot_ranks, dora_slots),
             sample_rows=self.sample_rows.upload(len(sample_chunks)),
             sample_chunks=sample_chunks,
+            spec=spec,
+            ngram_chunks=ngram_chunks,
         )
+
+    def _spec(self, plan: StepPlan, qsl: list[int],
+              pending_rows: dict[str, int] | None) -> tuple[SpecIndex | None, torch.Tensor | None]:
+        """SpecIndex and ngram_chunks (StepInputs), written and uploaded together."""
+        chunks = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
+        if not chunks and pending_rows is None:
+            return None, None
+        values = []
+        if pending_rows is not None:
+            for c in plan.chunks:
+                src = pending_rows[c.request_id] if c.token_ids[0] == PENDING_TOKEN else -1
+                values += (src, c.history_row, len(c.draft_ids) if c.device_drafts else 0)
+        k = max((len(plan.chunks[i].draft_ids) for i in chunks), default=0)
+        rows, draft_rows, meta = [], [], []
+        for i in chunks:
+            n = len(plan.chunks[i].draft_ids)
+            first = qsl[i] + plan.chunks[i].num_tokens - n - 1  # the last known token's row
+            rows += [first + min(j, n) for j in range(k + 1)]
+            draft_rows += [first + 1 + min(j, n - 1) for j in range(k)]
+            meta += (first, n, i)
+        values += rows + draft_rows + meta + [len(c.draft_ids or ()) for c in plan.chunks]
+        self.spec.np[: len(values)] = values
+        parts = self.spec.upload(len(values)).split(
+            [len(values) - len(rows) - len(draft_rows) - len(meta) - len(plan.chunks),
+             len(rows), len(draft_rows), len(meta), len(plan.chunks)])
+        ngram_chunks = parts[0].view(-1, 3) if pending_rows is not None else None
+        if not chunks:
+            return None, ngram_chunks
+        return SpecIndex(chunks, k, parts[1], parts[2], parts[3].view(-1, 3), parts[4]), ngram_chunks
 
     def _pad(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
         """Pad a batch of num_tokens tokens in num_seqs sequences to `graph`'s shape. The

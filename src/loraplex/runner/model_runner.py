@@ -42,7 +42,7 @@ from loraplex.models.weights import (
     load_safetensors,
 )
 from loraplex.ops.metadata import SHORT_QUERY_MAX
-from loraplex.runner.batch_meta import InputBuffers, StepInputs
+from loraplex.runner.batch_meta import InputBuffers, SpecIndex, StepInputs
 from loraplex.runner.cuda_graphs import StepGraphs
 from loraplex.runner.logit_rules import LogitRules
 from loraplex.runner.ngram_drafts import NgramDrafts
@@ -359,10 +359,11 @@ class ModelRunner:
         if self.graphs is not None and not any(c.lora_slot in dora for c in plan.chunks):  # DoRA: eager
             graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks),
                                           max(c.num_tokens for c in plan.chunks))
-        inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora)
+        inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora,
+                                     pending_rows=self._last_rows if self.ngram is not None else None)
         found = None
         if self.ngram is not None:
-            found = self.ngram.complete(plan, inputs, self._last_token_ids, self._last_shift, self._last_rows)
+            found = self.ngram.complete(plan, inputs, self._last_token_ids, self._last_shift)
             if graph is None and self._last_shift is not None:  # eager ops read the host copies
                 inputs.attn.seq_lens_cpu = inputs.attn.seq_lens.tolist()
                 inputs.attn.max_seq_len = max(inputs.attn.seq_lens_cpu)
@@ -380,7 +381,7 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
-        spec = _SpecRows(plan, inputs, self.device) if any(c.draft_ids for c in plan.chunks) else None
+        spec = inputs.spec
         # One pass over the vocabulary's weights for the sampled and the verified rows.
         rows = [r for r in (inputs.sample_rows if inputs.sample_chunks else None,
                             spec.rows if spec else None) if r is not None]
@@ -503,7 +504,7 @@ class ModelRunner:
         self._last_token_ids, self._last_step, self._last_shift = token_ids, out, None
         self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
 
-    def _verify(self, plan: StepPlan, inputs: StepInputs, spec: _SpecRows, logits: torch.Tensor,
+    def _verify(self, plan: StepPlan, inputs: StepInputs, spec: SpecIndex, logits: torch.Tensor,
                 out: LaunchedStep, found: torch.Tensor | None):
         """Speculated chunks, from the target's logits at their rows (spec.rows): greedy
         acceptance (ops.greedy_accept) or rejection sampling (runner/rejection.py), which
@@ -517,36 +518,36 @@ class ModelRunner:
         sps = [plan.chunks[i].sampling for i in chunks]
         if all(sp.greedy for sp in sps):
             best = logits.view(len(chunks), k + 1, -1).argmax(dim=-1)
-            token_ids, accepted, shift = ops.greedy_accept(best, inputs.input_ids, spec.meta, found)
+            verified, added, shift = ops.greedy_accept(best, inputs.input_ids, spec.meta, found)
         else:
             row_sps = [sp for sp in sps for _ in range(k + 1)]
             probs = sampling_probs(logits, [sp.temperature for sp in row_sps], [sp.top_k for sp in row_sps],
                                    [sp.top_p for sp in row_sps]).view(len(chunks), k + 1, -1)
             greedy = to_device([sp.greedy for sp in sps], torch.bool, self.device)
             drafts = inputs.input_ids[spec.draft_rows].view(len(chunks), k)
-            verified = rejection_sample(probs, drafts, found[spec.meta[:, 2]].long(), greedy,
-                                        generator=self.generator)
-            token_ids, accepted = verified.token_ids, verified.num_accepted
+            proposed = found[spec.meta[:, 2]].long()
+            sampled = rejection_sample(probs, drafts, proposed, greedy, generator=self.generator)
+            accepted = sampled.num_accepted
+            verified = torch.cat([sampled.token_ids, accepted[:, None], proposed[:, None]], dim=1)
+            added = sampled.token_ids.gather(1, accepted[:, None])[:, 0]
             shift = (accepted - spec.meta[:, 1]).to(torch.int32)
-        out.spec_chunks, out.spec_token_ids, out.spec_accepted = chunks, token_ids, accepted
+        out.spec_chunks, out.spec_verified = chunks, verified
         if plan.chunks[chunks[0]].device_drafts:
-            out.spec_found = found[spec.meta[:, 2]]
-            self._note_verified(plan, chunks, token_ids, accepted, shift, out)
+            self._note_verified(plan, chunks, added, shift, out)
 
-    def _note_verified(self, plan: StepPlan, spec: list[int], token_ids: torch.Tensor, accepted: torch.Tensor,
-                       shift: torch.Tensor, out: LaunchedStep) -> None:
+    def _note_verified(self, plan: StepPlan, spec: list[int], added: torch.Tensor, shift: torch.Tensor,
+                       out: LaunchedStep) -> None:
         """The next step, planned as if every draft position held a kept proposal, is fed
-        each verified sequence's last token and moved back by `shift` (<= 0)."""
-        added = token_ids.gather(1, accepted[:, None])[:, 0]
+        each verified sequence's last token (`added`) and moved back by `shift` (<= 0)."""
         sampled = out.token_ids
-        if sampled is None:  # no plain rows sampled by this step
-            rows, sampled = {}, added[:0]
+        rows = {} if sampled is None else self._last_rows  # sampled: this step's plain rows
+        first = 0 if sampled is None else len(sampled)
+        self._last_rows = rows | {plan.chunks[i].request_id: first + j for j, i in enumerate(spec)}
+        if sampled is None:
+            self._last_token_ids, self._last_shift = added, shift
         else:
-            rows = self._last_rows
-        self._last_rows = rows | {plan.chunks[i].request_id: len(sampled) + j for j, i in enumerate(spec)}
-        self._last_token_ids = torch.cat([sampled, added])
-        plain = torch.zeros(len(sampled), dtype=torch.int32, device=self.device)
-        self._last_shift = torch.cat([plain, shift])
+            self._last_token_ids = torch.cat([sampled, added])
+            self._last_shift = torch.cat([self.ngram.no_shift[:first], shift])
         self._last_step = out
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
@@ -616,30 +617,6 @@ class ModelRunner:
             raise ValueError(f"stop_token_ids outside [0, {vocab})")
         eos = [] if sp.ignore_eos else list(self.eos_token_ids)
         return eos + sp.stop_token_ids
-
-
-class _SpecRows:
-    """A step's speculated chunks on the device, from one upload: the logits rows of each
-    (its last known token, then each draft position; a shorter proposal's padded with
-    its last), the rows of its draft positions in the input ids, (first row, draft
-    positions, chunk index) per chunk, and each chunk's draft count as the host knows it."""
-
-    def __init__(self, plan: StepPlan, inputs: StepInputs, device: torch.device):
-        qsl = inputs.attn.query_start_loc_cpu
-        self.chunks = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
-        self.k = k = max(len(plan.chunks[i].draft_ids) for i in self.chunks)
-        rows, draft_rows, meta = [], [], []
-        for i in self.chunks:
-            n = len(plan.chunks[i].draft_ids)
-            first = qsl[i] + plan.chunks[i].num_tokens - n - 1  # the last known token's row
-            rows += [first + min(j, n) for j in range(k + 1)]
-            draft_rows += [first + 1 + min(j, n - 1) for j in range(k)]
-            meta += [first, n, i]
-        counts = [len(c.draft_ids or ()) for c in plan.chunks]
-        index = to_device(rows + draft_rows + meta + counts, torch.int64, device)
-        self.rows, self.draft_rows, meta_t, self.counts = index.split(
-            [len(rows), len(draft_rows), len(meta), len(counts)])
-        self.meta = meta_t.view(-1, 3)
 
 
 def _mix64(seed: int, index: int) -> int:

@@ -23,7 +23,7 @@ from loraplex import ops
 from loraplex.config import SpeculativeConfig
 from loraplex.device import to_device
 from loraplex.runner.batch_meta import StepInputs
-from loraplex.types import PENDING_TOKEN, StepPlan
+from loraplex.types import StepPlan
 
 logger = logging.getLogger("loraplex")
 
@@ -38,28 +38,26 @@ class NgramDrafts:
         self.history = torch.zeros(max_seqs, max_model_len, dtype=torch.int32, device=device)
         logger.info("n-gram proposals on the device: a token history of %d x %d (%.0f MiB)", max_seqs,
                     max_model_len, self.history.numel() * 4 / 2**20)
-        self._no_shift = torch.zeros(max(max_seqs, 1), dtype=torch.int32, device=device)
+        self.no_shift = torch.zeros(max(max_seqs, 1), dtype=torch.int32, device=device)
         self._no_ids = torch.zeros(1, dtype=torch.int64, device=device)
 
     def complete(self, plan: StepPlan, inputs: StepInputs, last_ids: torch.Tensor | None,
-                 last_shift: torch.Tensor | None, last_rows: dict[str, int]) -> torch.Tensor:
-        """Complete `inputs` (in place) from the previous step's device outputs: last_ids
-        the token each of its rows added, last_shift (None: zeros) by how much each
-        row's sequence fell short of the plan, last_rows each request's row. Returns
+                 last_shift: torch.Tensor | None) -> torch.Tensor:
+        """Complete `inputs` (in place; inputs.ngram_chunks says how) from the previous
+        step's device outputs: last_ids the token each of its rows added, last_shift
+        (None: zeros) by how much each row's sequence fell short of the plan. Returns
         each chunk's proposal length [C] int32 (the rest of its placeholders are
         verified as no proposal)."""
-        meta = []
+        max_drafts = 0
         for chunk in plan.chunks:
-            src = last_rows[chunk.request_id] if chunk.token_ids[0] == PENDING_TOKEN else -1
-            meta.append((src, chunk.history_row, len(chunk.draft_ids) if chunk.device_drafts else 0))
+            if chunk.device_drafts:
+                max_drafts = max(max_drafts, len(chunk.draft_ids))
             if chunk.history_prefix:  # tokens it found cached: never fed, so recorded here
                 prefix = to_device(chunk.history_prefix, torch.int32, self.history.device)
                 self.history[chunk.history_row, : len(prefix)] = prefix
         attn = inputs.attn
-        if last_ids is None:
-            last_ids = self._no_ids
         return ops.ngram_inputs(
             inputs.input_ids, inputs.positions, attn.slot_mapping, attn.seq_lens, attn.block_tables,
-            attn.query_start_loc, to_device(meta, torch.int32, self.history.device), last_ids,
-            self._no_shift if last_shift is None else last_shift, self.history, self.block_size,
-            self.n_min, self.n_max, max(m[2] for m in meta))
+            attn.query_start_loc, inputs.ngram_chunks, self._no_ids if last_ids is None else last_ids,
+            self.no_shift if last_shift is None else last_shift, self.history, self.block_size,
+            self.n_min, self.n_max, max_drafts)

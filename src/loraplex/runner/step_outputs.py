@@ -43,20 +43,17 @@ class LaunchedStep:
     # Prompt logprobs: (chunk index, task) in row order, and their logprobs.
     prompt_tasks: list = field(default_factory=list)
     prompt_lps: TokenLogprobs | None = None
-    # Speculated chunks (plan indices) and their verification: [S, k + 1] token ids, of
-    # which the first num_accepted + 1 per row are the output.
+    # Speculated chunks (plan indices) and their verification, [S, k + 3] (ops.greedy_accept):
+    # k + 1 token ids, of which the first a + 1 are the output; a; the proposal's length.
     spec_chunks: list[int] = field(default_factory=list)
-    spec_token_ids: torch.Tensor | None = None
-    spec_accepted: torch.Tensor | None = None
-    spec_found: torch.Tensor | None = None  # proposals made on the device: each one's length
+    spec_verified: torch.Tensor | None = None
     _host: dict = field(default_factory=dict)
     _event: torch.cuda.Event | None = None
     timing: StepTiming | None = None  # when launched with timed=True
 
     def start_copies(self) -> None:
         """Queue device-to-host copies of everything the host will read."""
-        tensors = {"token_ids": self.token_ids, "spec_token_ids": self.spec_token_ids,
-                   "spec_accepted": self.spec_accepted, "spec_found": self.spec_found}
+        tensors = {"token_ids": self.token_ids, "spec_verified": self.spec_verified}
         for name in ("sample_lps", "prompt_lps"):
             lps = getattr(self, name)
             if lps is not None:
@@ -93,11 +90,12 @@ class LaunchedStep:
                 if want is not None:
                     result.logprobs[i] = position_logprobs(lps, j, ids[j], want)
         if self.spec_chunks:
-            ids, accepted = self._host["spec_token_ids"].tolist(), self._host["spec_accepted"].tolist()
-            for j, i in enumerate(self.spec_chunks):
-                result.speculated[i] = ids[j][: accepted[j] + 1]
-            if "spec_found" in self._host:
-                result.num_proposed = dict(zip(self.spec_chunks, self._host["spec_found"].tolist()))
+            device_drafts = self.plan.chunks[self.spec_chunks[0]].device_drafts
+            for i, row in zip(self.spec_chunks, self._host["spec_verified"].tolist()):
+                *ids, accepted, proposed = row
+                result.speculated[i] = ids[: accepted + 1]
+                if device_drafts:
+                    result.num_proposed[i] = proposed
         if self.prompt_tasks:
             lps = self._host_lps("prompt_lps")
             j = 0

@@ -55,16 +55,16 @@ def ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, que
 
 def greedy_accept(best, input_ids, spec, found):
     num_seqs, k1 = best.shape
-    token_ids = torch.full_like(best, -1)
-    num_accepted = torch.zeros(num_seqs, dtype=torch.int64, device=best.device)
+    verified = torch.full((num_seqs, k1 + 2), -1, dtype=torch.int64, device=best.device)
+    added = torch.zeros(num_seqs, dtype=torch.int64, device=best.device)
     shift = torch.zeros(num_seqs, dtype=torch.int32, device=best.device)
     for s, (first, slots, chunk) in enumerate(spec.tolist()):
         n = int(found[chunk])
         a = 0
         while a < n and int(input_ids[first + 1 + a]) == int(best[s, a]):
-            token_ids[s, a] = input_ids[first + 1 + a]
+            verified[s, a] = input_ids[first + 1 + a]
             a += 1
-        token_ids[s, a] = best[s, a]
-        num_accepted[s] = a
+        verified[s, a] = added[s] = best[s, a]
+        verified[s, k1], verified[s, k1 + 1] = a, n
         shift[s] = a - slots
-    return token_ids, num_accepted, shift
+    return verified, added, shift

@@ -1,8 +1,9 @@
 """Greedy verification of speculated tokens in one launch (ops.greedy_accept): per
 sequence, the proposals read from the step's input ids are kept while each equals the
-target's argmax before it, then the argmax after the last kept one is added. Torch ops
-took ~17 launches for this (argmax compares, cumprod, gathers, the padded output), each
-a few microseconds of a verify step's host time, which bounds a small model's step."""
+target's argmax before it, then the argmax after the last kept one is added. What the
+host reads (ids, count kept, proposal length) is one row per sequence: one copy. Torch
+ops took ~17 launches for this (argmax compares, cumprod, gathers, the padded output),
+each a few microseconds of a verify step's host time, which bounds a small model's step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _greedy_accept_kernel(best_ptr, ids_ptr, spec_ptr, found_ptr, out_ptr, accepted_ptr, shift_ptr,
+def _greedy_accept_kernel(best_ptr, ids_ptr, spec_ptr, found_ptr, out_ptr, added_ptr, shift_ptr,
                           K1, K_BLOCK: tl.constexpr):
     s = tl.program_id(0)
     first = tl.load(spec_ptr + s * 3)
@@ -25,18 +26,21 @@ def _greedy_accept_kernel(best_ptr, ids_ptr, spec_ptr, found_ptr, out_ptr, accep
     accepted = tl.min(tl.where((drafts == best) & (j < n), K_BLOCK, j), axis=0)
     extra = tl.sum(tl.where(j == accepted, best, 0), axis=0)
     out = tl.where(j < accepted, drafts, tl.where(j == accepted, extra, -1))
-    tl.store(out_ptr + s * K1 + j, out, mask=j < K1)
-    tl.store(accepted_ptr + s, accepted.to(tl.int64))
+    row = out_ptr + s * (K1 + 2)
+    tl.store(row + j, out, mask=j < K1)
+    tl.store(row + K1, accepted.to(tl.int64))
+    tl.store(row + K1 + 1, n)
+    tl.store(added_ptr + s, extra)
     tl.store(shift_ptr + s, (accepted - slots).to(tl.int32))
 
 
 def greedy_accept(best, input_ids, spec, found):
     num_seqs, k1 = best.shape
-    token_ids = torch.empty_like(best)
-    num_accepted = torch.empty(num_seqs, dtype=torch.int64, device=best.device)
+    verified = torch.empty(num_seqs, k1 + 2, dtype=torch.int64, device=best.device)
+    added = torch.empty(num_seqs, dtype=torch.int64, device=best.device)
     shift = torch.empty(num_seqs, dtype=torch.int32, device=best.device)
     if num_seqs:
         assert best.is_contiguous() and spec.is_contiguous()
-        _greedy_accept_kernel[(num_seqs,)](best, input_ids, spec, found, token_ids, num_accepted, shift, k1,
+        _greedy_accept_kernel[(num_seqs,)](best, input_ids, spec, found, verified, added, shift, k1,
                                            K_BLOCK=triton.next_power_of_2(k1), num_warps=1)
-    return token_ids, num_accepted, shift
+    return verified, added, shift
