@@ -46,11 +46,10 @@ class GrammarRows:
         """(bitmask [rows, ceil(V / 32)] int32 on the host, the sampled rows it covers)
         for the chunks (in sampled-row order) that follow a grammar, or None.
         pending_ids(request_id) -> the id its row sampled in the step in flight."""
-        import xgrammar
-
         rows = [(j, c) for j, c in enumerate(chunks) if c.grammar is not None]
         if not rows:
             return None
+        import xgrammar
         # One mask row per sampled row (xgrammar's indices name rows of both), applied
         # to the structured ones only.
         mask = xgrammar.allocate_token_bitmask(len(chunks), self.vocab_size)
