@@ -206,15 +206,51 @@ def test_next_step_inputs_leave_the_previous_steps_staging_alone():
 
     bufs = InputBuffers(max_tokens=16, max_seqs=4, max_blocks_per_seq=4, max_loras=2, block_size=16,
                         device=torch.device(DEVICE))
+
+    def staged(twin):  # the token ids as the host twin `twin` holds them
+        return bufs.layout(3, 1, False).np[twin]["input_ids"].tolist()
+
     bufs.prepare(plan([5, 6, 7]), [0, 0])
     if DEVICE == "cpu":
-        assert len(bufs.input_ids.hosts) == 1
+        assert len(bufs.arena.hosts) == 1
         return
-    staged = bufs.input_ids.host
-    bufs.prepare(plan([8, 9]), [0, 0])
-    assert bufs.input_ids.host is not staged and staged[:3].tolist() == [5, 6, 7]
-    bufs.prepare(plan([1]), [0, 0])
-    assert bufs.input_ids.host is staged, "two twins, in turn"
+    first = bufs.arena.turn
+    bufs.prepare(plan([8, 9, 4]), [0, 0])
+    assert bufs.arena.turn != first and staged(first) == [5, 6, 7] and staged(bufs.arena.turn) == [8, 9, 4]
+    bufs.prepare(plan([1, 2, 3]), [0, 0])
+    assert bufs.arena.turn == first, "two twins, in turn"
+
+
+def test_a_step_of_a_graphs_shape_is_staged_where_the_graph_reads():
+    """A CUDA graph reads its inputs at the addresses it was captured with: every later
+    step of its shape is staged there (also after the layout cache was emptied), and
+    its own values land in them in one copy."""
+    from conftest import DEVICE
+
+    from loraplex.runner.batch_meta import GraphShape, InputBuffers
+    from loraplex.types import ScheduledChunk, StepPlan
+
+    bufs = InputBuffers(max_tokens=32, max_seqs=4, max_blocks_per_seq=4, max_loras=2, block_size=4,
+                        device=torch.device(DEVICE))
+    shape = GraphShape(4, 4, 1)
+    captured = bufs.graph_inputs(shape, with_lora=True)
+    chunks = [ScheduledChunk(f"r{i}", [10 + i], 5 + i, [i, 4 + i], i - 1, True, SamplingParams(), 0)
+              for i in range(3)]
+    for clear in (False, True):
+        if clear:
+            bufs.arena._layouts.clear()
+        step = bufs.prepare(StepPlan(chunks), [8, 8], graph=shape)
+        for a, b in [(captured.input_ids, step.input_ids), (captured.positions, step.positions),
+                     (captured.attn.slot_mapping, step.attn.slot_mapping),
+                     (captured.attn.seq_lens, step.attn.seq_lens),
+                     (captured.lora.token_slot, step.lora.token_slot),
+                     (captured.lora.group_starts, step.lora.group_starts)]:
+            assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+        assert step.input_ids.tolist() == [10, 11, 12, 0] and step.positions.tolist() == [5, 6, 7, 0]
+        assert step.attn.slot_mapping.tolist() == [4 * 4 + 1, 5 * 4 + 2, 6 * 4 + 3, -1]  # the second pages
+        assert step.attn.seq_lens.tolist() == [6, 7, 8, 0]
+        assert step.lora.token_slot.tolist() == [-1, 0, 1, -1]
+        assert step.sample_rows.tolist() == [0, 1, 2]
 
 
 class _EagerGraphs:

@@ -1,10 +1,11 @@
 """A step's input tensors, built into buffers allocated once.
 
 The runner turns a StepPlan into token ids, positions, KV slot mapping, block tables,
-query offsets and the per-token adapter slot with its grouping. Everything is written
-into pinned host staging buffers (numpy views) and copied to the device buffers in one
-pass; ops receive views of the device buffers, so their addresses never change and a
-step can be replayed from a CUDA graph.
+query offsets and the per-token adapter slot with its grouping. All but the block
+tables are written into one pinned host staging arena (numpy views) and copied to the
+device in one copy (runner/staging.py), the block tables in a second; ops receive views
+of the device buffers, at addresses fixed by the step's shape, so a step can be
+replayed from a CUDA graph.
 
 A step replayed from a graph is padded to the graph's shape (`GraphShape`). A decode
 graph's padding is one-token sequences, and so is a short-chunk graph's (verification of
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch, LoRABatch, group_tokens
+from loraplex.runner.staging import ALIGN, Layout, StagingArena
 from loraplex.types import PENDING_TOKEN, StepPlan
 
 
@@ -79,10 +81,7 @@ class StepInputs:
 
 class _Buffer:
     """A device tensor and its pinned host staging twins, used in turn by successive
-    steps: a step's host-to-device copies may not have run when the host fills the next
-    step's inputs (they queue behind the step's adapter slot copies, milliseconds for a
-    large adapter), and with one step in flight the twin a step writes was last read by
-    the step before the previous one, whose results the engine has already collected."""
+    steps (as StagingArena's, for the same reason)."""
 
     def __init__(self, shape, dtype, device):
         if device.type == "cpu":  # no copies: the buffer is the tensor ops read
@@ -96,7 +95,6 @@ class _Buffer:
         self.host, self.np = self.hosts[0], self._nps[0]
 
     def next_turn(self) -> None:
-        """Write the other host twin from now on (called once per step)."""
         self._turn = (self._turn + 1) % len(self.hosts)
         self.host, self.np = self.hosts[self._turn], self._nps[self._turn]
 
@@ -117,23 +115,30 @@ class InputBuffers:
         # A mixed graph holds every sequence a step may have, and its padding sequence.
         self.mixed_graph_seqs = max_seqs + 1
         rows = max(max_seqs + 1, max_graph_seqs)
+        loras = max(1, max_loras)
+        # The arena's most: every field at its largest, the tail's sampled rows and
+        # speculation index (at most two rows per token), each field's alignment.
+        nbytes = (max_tokens * (3 * 8 + 4 + 8) + (2 * rows + 1) * 4 + (4 * loras + 1) * 4
+                  + (max_seqs + 7 * rows + 2 * max_tokens) * 8 + 16 * ALIGN)
+        self.arena = StagingArena(nbytes, device)
+        self.block_tables = _Buffer((rows, max_blocks_per_seq), torch.int32, device)
+
+    def layout(self, num_tokens: int, num_seqs: int, lora: bool) -> Layout:
+        """The arena's fields for a step of this shape: the same offsets (and device
+        addresses) for every step of it, so a CUDA graph reads them as captured."""
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = _Buffer(max_tokens, i64, device)
-        self.positions = _Buffer(max_tokens, i64, device)
-        self.slot_mapping = _Buffer(max_tokens, i64, device)
-        self.query_start_loc = _Buffer(rows + 1, i32, device)
-        self.seq_lens = _Buffer(rows, i32, device)
-        self.block_tables = _Buffer((rows, max_blocks_per_seq), i32, device)
-        self.sample_rows = _Buffer(max_seqs, i64, device)
-        self.token_slot = _Buffer(max_tokens, i32, device)
-        self.sorted_token_ids = _Buffer(max_tokens, i64, device)
-        self.group_slots = _Buffer(max(1, max_loras), i32, device)
-        self.group_starts = _Buffer(max(1, max_loras) + 1, i32, device)
-        self.group_ranks = _Buffer(max(1, max_loras), i32, device)
-        self.slot_ranks = _Buffer(max(1, max_loras), i32, device)
-        # SpecIndex and ngram_chunks, one upload: their rows are at most two per token.
-        self.spec = _Buffer(7 * rows + 2 * max_tokens, i64, device)
-        self._buffers = [b for b in vars(self).values() if isinstance(b, _Buffer)]
+        loras = max(1, self.max_loras)
+
+        def fields():
+            base = [("input_ids", i64, num_tokens), ("positions", i64, num_tokens),
+                    ("slot_mapping", i64, num_tokens), ("query_start_loc", i32, num_seqs + 1),
+                    ("seq_lens", i32, num_seqs)]
+            adapters = [("token_slot", i32, num_tokens), ("sorted_token_ids", i64, num_tokens),
+                        ("group_slots", i32, loras), ("group_starts", i32, loras + 1),
+                        ("group_ranks", i32, loras), ("slot_ranks", i32, loras)]
+            return base + (adapters if lora else [])
+
+        return self.arena.layout((num_tokens, num_seqs, lora), fields)
 
     def prepare(self, plan: StepPlan, slot_ranks: list[int], graph: GraphShape | None = None,
                 dora_slots: frozenset[int] | set[int] = frozenset(),
@@ -141,10 +146,13 @@ class InputBuffers:
         """Fill the buffers for `plan`; graph: the shape of the CUDA graph that will run
         it, to pad to; pending_rows (proposals made on the device): each request's row
         in the previous step's outputs, for StepInputs.ngram_chunks."""
-        for b in self._buffers:
-            b.next_turn()
+        self.arena.next_turn()
+        self.block_tables.next_turn()
         bs = self.block_size
         num_tokens, num_seqs = plan.num_tokens, len(plan.chunks)
+        lora = any(c.lora_slot >= 0 for c in plan.chunks)
+        layout = self.layout(*((graph.tokens, graph.seqs) if graph else (num_tokens, num_seqs)), lora)
+        host, dev = layout.np[self.arena.turn], layout.dev
         # Gather per-token values in Python lists, then write each buffer once: a decode
         # step of 32 sequences costs tens of microseconds here.
         token_ids, positions, slots, lora_slots = [], [], [], []
@@ -164,7 +172,8 @@ class InputBuffers:
                 pos = np.arange(start, start + n)
                 positions += pos.tolist()
                 slots += (np.asarray(pages)[pos // bs] * bs + pos % bs).tolist()
-            lora_slots += [chunk.lora_slot] * n
+            if lora:
+                lora_slots += [chunk.lora_slot] * n
             tables[b, : len(pages)] = pages
             max_blocks = max(max_blocks, len(pages))
             end = qsl[-1] + n
@@ -173,29 +182,33 @@ class InputBuffers:
                 sample_chunks.append(b)
             qsl.append(end)
             seq_lens.append(start + n)
-        self.input_ids.np[:num_tokens] = token_ids
-        self.positions.np[:num_tokens] = positions
-        self.slot_mapping.np[:num_tokens] = slots
-        self.token_slot.np[:num_tokens] = lora_slots
-        self.sample_rows.np[: len(sample_rows)] = sample_rows
-        self.query_start_loc.np[: num_seqs + 1] = qsl
-        self.seq_lens.np[:num_seqs] = seq_lens
+        host["input_ids"][:num_tokens] = token_ids
+        host["positions"][:num_tokens] = positions
+        host["slot_mapping"][:num_tokens] = slots
+        host["query_start_loc"][: num_seqs + 1] = qsl
+        host["seq_lens"][:num_seqs] = seq_lens
+        if lora:
+            host["token_slot"][:num_tokens] = lora_slots
         max_query_len = max(c.num_tokens for c in plan.chunks)
-        spec, ngram_chunks = self._spec(plan, qsl, pending_rows)
+        chunk_starts = qsl
         if graph is not None:
             assert num_tokens <= graph.tokens and num_seqs < graph.seqs + graph.short, (plan, graph)
             assert max_query_len <= (graph.query_len or graph.tokens), "chunks longer than the graph's"
-            self._pad(num_tokens, num_seqs, graph)
+            self._pad(host, num_tokens, num_seqs, graph)
             max_query_len = graph.query_len or graph.tokens  # as captured: the kernels it chose
             num_tokens, num_seqs = graph.tokens, graph.seqs
             # Host copies as the graph sees the batch (real sequences first, then padding).
-            qsl = self.query_start_loc.np[: num_seqs + 1].tolist()
-            seq_lens = self.seq_lens.np[:num_seqs].tolist()
-
+            qsl = host["query_start_loc"].tolist()
+            seq_lens = host["seq_lens"].tolist()
+        lora_batch = self._lora(host, dev, num_tokens, slot_ranks, dora_slots) if lora else None
+        # Fields no graph reads, after the layout's.
+        end, sample_rows_dev = self.arena.tail(layout.end, sample_rows)
+        end, spec, ngram_chunks = self._spec(plan, chunk_starts, end, pending_rows)
+        self.arena.upload(end)
         attn = AttentionBatch(
-            slot_mapping=self.slot_mapping.upload(num_tokens),
-            query_start_loc=self.query_start_loc.upload(num_seqs + 1),
-            seq_lens=self.seq_lens.upload(num_seqs),
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
             block_tables=self.block_tables.upload(num_seqs, max_blocks),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
@@ -203,22 +216,23 @@ class InputBuffers:
             max_seq_len=max(seq_lens),
         )
         return StepInputs(
-            input_ids=self.input_ids.upload(num_tokens),
-            positions=self.positions.upload(num_tokens),
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
             attn=attn,
-            lora=self._lora(plan, num_tokens, slot_ranks, dora_slots),
-            sample_rows=self.sample_rows.upload(len(sample_chunks)),
+            lora=lora_batch,
+            sample_rows=sample_rows_dev,
             sample_chunks=sample_chunks,
             spec=spec,
             ngram_chunks=ngram_chunks,
         )
 
-    def _spec(self, plan: StepPlan, qsl: list[int],
-              pending_rows: dict[str, int] | None) -> tuple[SpecIndex | None, torch.Tensor | None]:
-        """SpecIndex and ngram_chunks (StepInputs), written and uploaded together."""
+    def _spec(self, plan: StepPlan, qsl: list[int], start: int, pending_rows: dict[str, int] | None
+              ) -> tuple[int, SpecIndex | None, torch.Tensor | None]:
+        """SpecIndex and ngram_chunks (StepInputs), in the arena's tail from `start`
+        (qsl: where each chunk's tokens start); returns the tail's end too."""
         chunks = [i for i, c in enumerate(plan.chunks) if c.draft_ids]
         if not chunks and pending_rows is None:
-            return None, None
+            return start, None, None
         values = []
         if pending_rows is not None:
             for c in plan.chunks:
@@ -232,33 +246,32 @@ class InputBuffers:
             rows += [first + min(j, n) for j in range(k + 1)]
             draft_rows += [first + 1 + min(j, n - 1) for j in range(k)]
             meta += (first, n, i)
-        values += rows + draft_rows + meta + [len(c.draft_ids or ()) for c in plan.chunks]
-        self.spec.np[: len(values)] = values
-        parts = self.spec.upload(len(values)).split(
-            [len(values) - len(rows) - len(draft_rows) - len(meta) - len(plan.chunks),
-             len(rows), len(draft_rows), len(meta), len(plan.chunks)])
+        counts = [len(c.draft_ids or ()) for c in plan.chunks]
+        end, index = self.arena.tail(start, values + rows + draft_rows + meta + counts)
+        parts = index.split([len(values), len(rows), len(draft_rows), len(meta), len(counts)])
         ngram_chunks = parts[0].view(-1, 3) if pending_rows is not None else None
         if not chunks:
-            return None, ngram_chunks
-        return SpecIndex(chunks, k, parts[1], parts[2], parts[3].view(-1, 3), parts[4]), ngram_chunks
+            return end, None, ngram_chunks
+        return end, SpecIndex(chunks, k, parts[1], parts[2], parts[3].view(-1, 3), parts[4]), ngram_chunks
 
-    def _pad(self, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
+    def _pad(self, host: dict, num_tokens: int, num_seqs: int, graph: GraphShape) -> None:
         """Pad a batch of num_tokens tokens in num_seqs sequences to `graph`'s shape. The
         padding tokens have no KV slot and no adapter; they are one-token sequences of no
         context in a decode or short-chunk graph, and one sequence of no context in a
         mixed graph, after which the graph's remaining sequences are empty. Either way
         they attend to nothing."""
         tokens = slice(num_tokens, graph.tokens)
-        self.input_ids.np[tokens] = 0
-        self.positions.np[tokens] = 0
-        self.slot_mapping.np[tokens] = -1
-        self.token_slot.np[tokens] = -1
-        ends = self.query_start_loc.np[num_seqs + 1 : graph.seqs + 1]
+        host["input_ids"][tokens] = 0
+        host["positions"][tokens] = 0
+        host["slot_mapping"][tokens] = -1
+        if "token_slot" in host:
+            host["token_slot"][tokens] = -1
+        ends = host["query_start_loc"][num_seqs + 1: graph.seqs + 1]
         if graph.short:
             ends[:] = np.minimum(np.arange(num_tokens + 1, num_tokens + 1 + len(ends)), graph.tokens)
         else:
             ends[:] = graph.tokens
-        self.seq_lens.np[num_seqs : graph.seqs] = 0
+        host["seq_lens"][num_seqs: graph.seqs] = 0
 
     def graph_inputs(self, graph: GraphShape, with_lora: bool) -> StepInputs:
         """Static views of the buffers for capturing a CUDA graph of shape `graph`.
@@ -267,67 +280,68 @@ class InputBuffers:
         padding. Kernels read only device tensors, so the graph serves any later batch.
         """
         size = graph.tokens
-        self.query_start_loc.np[0] = 0
-        self._pad(0, 0, graph)
-        self.group_slots.np[:] = -1
-        self.group_starts.np[:] = 0
-        self.group_ranks.np[:] = 0
-        self.sorted_token_ids.np[:size] = np.arange(size)
-        n_groups = len(self.group_slots.np)
-        qsl = self.query_start_loc.np[: graph.seqs + 1].tolist()
+        layout = self.layout(graph.tokens, graph.seqs, with_lora)
+        host, dev = layout.np[self.arena.turn], layout.dev
+        host["query_start_loc"][0] = 0
+        self._pad(host, 0, 0, graph)
+        if with_lora:
+            host["group_slots"][:] = -1
+            host["group_starts"][:] = 0
+            host["group_ranks"][:] = 0
+            host["slot_ranks"][:] = 0
+            host["sorted_token_ids"][:] = np.arange(size)
+        self.arena.upload(layout.end)
         attn = AttentionBatch(
-            slot_mapping=self.slot_mapping.upload(size),
-            query_start_loc=self.query_start_loc.upload(graph.seqs + 1),
-            seq_lens=self.seq_lens.upload(graph.seqs),
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
             block_tables=self.block_tables.upload(graph.seqs, self.block_tables.np.shape[1]),
-            query_start_loc_cpu=qsl,
+            query_start_loc_cpu=host["query_start_loc"].tolist(),
             seq_lens_cpu=[0] * graph.seqs,
             # Picks the kernels: one token per sequence, a few, or chunks of any length.
             max_query_len=graph.query_len or size,
             max_seq_len=0,
         )
-        self.slot_ranks.np[:] = 0
         lora = LoRABatch(
-            token_slot=self.token_slot.upload(size),
-            sorted_token_ids=self.sorted_token_ids.upload(size),
-            group_slots=self.group_slots.upload(n_groups),
-            group_starts=self.group_starts.upload(n_groups + 1),
-            group_ranks=self.group_ranks.upload(n_groups),
-            slot_ranks=self.slot_ranks.upload(n_groups),
+            token_slot=dev["token_slot"],
+            sorted_token_ids=dev["sorted_token_ids"],
+            group_slots=dev["group_slots"],
+            group_starts=dev["group_starts"],
+            group_ranks=dev["group_ranks"],
+            slot_ranks=dev["slot_ranks"],
             groups=[],
             active=True,
         ) if with_lora else None
         return StepInputs(
-            input_ids=self.input_ids.upload(size),
-            positions=self.positions.upload(size),
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
             attn=attn,
             lora=lora,
-            sample_rows=self.sample_rows.upload(0),
+            sample_rows=dev["input_ids"][:0],
             sample_chunks=[],
         )
 
-    def _lora(self, plan: StepPlan, num_tokens: int, slot_ranks: list[int],
-              dora_slots: frozenset[int] | set[int]) -> LoRABatch | None:
-        if all(c.lora_slot < 0 for c in plan.chunks):
-            return None
-        order, groups = group_tokens(self.token_slot.np[:num_tokens], slot_ranks, self.max_loras)
-        self.sorted_token_ids.np[:num_tokens] = order
+    def _lora(self, host: dict, dev: dict, num_tokens: int, slot_ranks: list[int],
+              dora_slots: frozenset[int] | set[int]) -> LoRABatch:
+        order, groups = group_tokens(host["token_slot"][:num_tokens], slot_ranks, self.max_loras)
+        host["sorted_token_ids"][:num_tokens] = order
         g = len(groups)
-        self.group_slots.np[:] = -1
-        self.group_ranks.np[:] = 0
-        self.group_slots.np[:g] = [x.slot for x in groups]
-        self.group_ranks.np[:g] = [x.rank for x in groups]
-        self.group_starts.np[: g + 1] = [x.start for x in groups] + [groups[-1].end]
-        self.group_starts.np[g + 1 :] = groups[-1].end
-        self.slot_ranks.np[: len(slot_ranks)] = slot_ranks
+        host["group_slots"][:] = -1
+        host["group_ranks"][:] = 0
+        host["group_slots"][:g] = [x.slot for x in groups]
+        host["group_ranks"][:g] = [x.rank for x in groups]
+        host["group_starts"][: g + 1] = [x.start for x in groups] + [groups[-1].end]
+        host["group_starts"][g + 1:] = groups[-1].end
+        host["slot_ranks"][:] = 0
+        host["slot_ranks"][: len(slot_ranks)] = slot_ranks
         return LoRABatch(
-            token_slot=self.token_slot.upload(num_tokens),
-            sorted_token_ids=self.sorted_token_ids.upload(num_tokens),
-            group_slots=self.group_slots.upload(len(self.group_slots.np)),
-            group_starts=self.group_starts.upload(len(self.group_starts.np)),
-            group_ranks=self.group_ranks.upload(len(self.group_ranks.np)),
-            slot_ranks=self.slot_ranks.upload(len(self.slot_ranks.np)),
+            token_slot=dev["token_slot"],
+            sorted_token_ids=dev["sorted_token_ids"],
+            group_slots=dev["group_slots"],
+            group_starts=dev["group_starts"],
+            group_ranks=dev["group_ranks"],
+            slot_ranks=dev["slot_ranks"],
             groups=groups,
-            host_token_slot=self.token_slot.np[:num_tokens].copy(),
+            host_token_slot=host["token_slot"][:num_tokens].copy(),
             dora=any(x.slot in dora_slots for x in groups),
         )
