@@ -544,7 +544,7 @@ def test_ngram_inputs(backend, seed):
     gen = torch.Generator().manual_seed(seed)
     bs, max_len, vocab, n_min, n_max = 4, 96, 5, 1, 3  # a small vocabulary: many matches
     # (known tokens, drafts k, fed from the previous step?, history row) per chunk.
-    layout = [(1, 3, True, 0), (6, 0, False, 1), (1, 2, True, 2), (1, 0, True, -1), (3, 4, False, 3)]
+    layout = [(1, 3, True, 0), (6, 0, False, 1), (1, 2, True, 2), (1, 0, True, -1), (4, 4, False, 3)]
     histories = torch.randint(0, vocab, (4, max_len), generator=gen).to(torch.int32)
     last_ids = torch.randint(0, vocab, (6,), generator=gen)
     last_shift = -torch.randint(0, 3, (6,), generator=gen).to(torch.int32)
@@ -553,7 +553,11 @@ def test_ngram_inputs(backend, seed):
         src = c if fed else -1
         start = int(torch.randint(8, 60, (1,), generator=gen))  # the host's (optimistic) start
         n = known + k
-        ids += torch.randint(0, vocab, (known,), generator=gen).tolist() + [0] * k
+        # The last chunk's known tokens repeat one token (n_max + 1 of them): its longest
+        # match is at the end, and its proposal repeats it (the sequence's period).
+        repeats = c == len(layout) - 1
+        known_ids = [2] * known if repeats else torch.randint(0, vocab, (known,), generator=gen).tolist()
+        ids += known_ids + [0] * k
         pos += list(range(start, start + n))
         tables.append(torch.randperm(40, generator=gen)[:32].tolist())
         qsl.append(qsl[-1] + n)
@@ -595,6 +599,7 @@ def test_ngram_inputs(backend, seed):
         end = length + len(proposal)
         assert inputs["history"][row, :end].tolist() == hist[row, :end].tolist()
     assert sum(found.tolist()) > 0  # the layout makes some proposals
+    assert inputs["input_ids"][qsl[-1] - 4:].tolist() == [2, 2, 2, 2]  # past the end, the period
 
 
 @pytest.mark.parametrize("k", [1, 4, 7])

@@ -68,7 +68,9 @@ def test_ngram_proposes_what_followed_the_suffix():
     assert propose_ngram([1, 2, 3, 4, 1, 2], k=1, n_min=1, n_max=4) == [3]
     assert propose_ngram([5, 6, 7], k=3, n_min=1, n_max=4) == []  # no earlier occurrence
     assert propose_ngram([9], k=3, n_min=1, n_max=4) == []
-    assert propose_ngram([1, 2, 3, 1, 2], k=5, n_min=1, n_max=2) == [3, 1, 2]  # fewer than k left
+    # Fewer than k left after the occurrence: the sequence repeats with its period.
+    assert propose_ngram([1, 2, 3, 1, 2], k=5, n_min=1, n_max=2) == [3, 1, 2, 3, 1]
+    assert propose_ngram([4, 7, 7, 7], k=4, n_min=1, n_max=4) == [7, 7, 7, 7]
 
 
 def test_ngram_prefers_the_longest_suffix_then_the_latest_occurrence():
@@ -78,7 +80,7 @@ def test_ngram_prefers_the_longest_suffix_then_the_latest_occurrence():
     assert propose_ngram(tokens, k=1, n_min=1, n_max=2) == [8]
     assert propose_ngram(tokens, k=1, n_min=1, n_max=1) == [0]
     assert propose_ngram(tokens, k=1, n_min=2, n_max=2) == [8]
-    assert propose_ngram([4, 4, 4, 4], k=2, n_min=1, n_max=3) == [4]  # overlapping runs
+    assert propose_ngram([4, 4, 4, 4], k=2, n_min=1, n_max=3) == [4, 4]  # overlapping runs
 
 
 def test_the_incremental_index_proposes_what_the_search_does():

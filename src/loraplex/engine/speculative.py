@@ -4,9 +4,14 @@
 The n-gram proposer (vLLM's "ngram", prompt lookup decoding) needs no model: for the
 longest n in [prompt_lookup_min, prompt_lookup_max] whose last n tokens of a sequence
 occurred earlier in it, the tokens that followed the latest earlier occurrence are the
-proposal, up to num_speculative_tokens of them. It reads only its own sequence's
-tokens, so proposals never cross requests. The runner verifies all of them in one
-forward (runner/rejection.py) and keeps the target model's distribution exactly.
+proposal, num_speculative_tokens of them. Where those run into the sequence's end (the
+occurrence lies within the last few tokens: a run such as "....", or a line that
+repeats), the sequence repeats with that period, and the proposal goes on repeating it,
+as an LZ77 copy does (truncated there, a degenerate adapter output that repeats one
+token gave 3 tokens a verify step of k = 4 instead of 5; Gemma 3 270M, quote workload).
+It reads only its own sequence's tokens, so proposals never cross requests. The runner
+verifies all of them in one forward (runner/rejection.py) and keeps the target model's
+distribution exactly.
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ class NgramIndex:
         for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
             p = self.after.get(tuple(tokens[length - n:]))
             if p is not None:
-                return tokens[p: p + k]
+                return continuation(tokens, p, k)
         return []
 
 
@@ -145,10 +150,17 @@ class SeenSuffix:
         return length > n and tuple(tokens[length - n:]) in self.seen
 
 
+def continuation(tokens: list[int], e: int, k: int) -> list[int]:
+    """k tokens from tokens[e] on, where tokens[e - n: e] matched the sequence's last n:
+    past its end the sequence repeats with period len(tokens) - e."""
+    period = len(tokens) - e
+    return [tokens[e + j % period] for j in range(k)]
+
+
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's
-    longest matching suffix of n_min..n_max tokens; [] where none occurred (the plain
-    search NgramIndex answers incrementally)."""
+    """The k tokens that followed the latest earlier occurrence of the sequence's
+    longest matching suffix of n_min..n_max tokens (continuation()); [] where none
+    occurred (the plain search NgramIndex answers incrementally)."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
@@ -157,6 +169,5 @@ def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int
         windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
-            return seq[start: start + k].tolist()
+            return continuation(seq.tolist(), int(hits[-1]) + n, k)
     return []

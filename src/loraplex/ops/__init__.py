@@ -180,13 +180,14 @@ def ngram_inputs(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping:
     - k > 0 (a chunk that speculates; its last k tokens are placeholders): with L the
       known tokens history[row, :L] (through its last non-placeholder token), the
       latest earlier occurrence, ending at e - 1 < L - 1, of the longest suffix of
-      n_min..n_max tokens; proposal = history[row, e : min(e + k, L)], written over the
-      first placeholders and into history[row, L:]; none where no suffix occurred.
+      n_min..n_max tokens; proposal = history[row, e + j % (L - e)] for j < k (past L
+      the sequence repeats with period L - e), written over the placeholders and into
+      history[row, L:]; none where no suffix occurred.
 
     In place on input_ids [T] int64, positions [T] int64, slot_mapping [T] int64,
     seq_lens [B] int32, history [R, max_len] int32; query_start_loc [B + 1] int32;
     last_ids int64, last_shift int32 (any length when no src is set); max_drafts >= every
-    k. Returns found [C] int32: each chunk's proposal length (0..k).
+    k. Returns found [C] int32: each chunk's proposal length (0 or k).
     """
     return _impl.ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc,
                               chunks, last_ids, last_shift, history, block_size, n_min, n_max, max_drafts)

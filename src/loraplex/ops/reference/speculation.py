@@ -45,7 +45,7 @@ def ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, que
         e = longest_match(tokens, n_min, n_max)
         if e < 0:
             continue
-        drafts = history[row, e: min(e + k, length)]
+        drafts = history[row, e + torch.arange(k, device=history.device) % (length - e)]
         n = len(drafts)
         input_ids[a + known: a + known + n] = drafts.to(input_ids.dtype)
         history[row, length: length + n] = drafts.clone()

@@ -61,10 +61,11 @@ def _ngram_inputs_kernel(ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr, tables_ptr, 
             best = tl.maximum(best, tl.max(score, axis=0))
         if best >= 0:
             e_best = best % 4294967296
-            count = tl.minimum(k.to(tl.int64), length - e_best)
+            count = k.to(tl.int64)
             j = tl.arange(0, K_BLOCK)
             jm = j < count
-            drafts = tl.load(hist_row + e_best + j, mask=jm, other=0)
+            # Past the history's end the sequence repeats with period length - e_best.
+            drafts = tl.load(hist_row + e_best + j % (length - e_best), mask=jm, other=0)
             tl.store(ids_ptr + known_end + j, drafts.to(tl.int64), mask=jm)
             tl.store(hist_row + length + j, drafts, mask=jm)
     tl.store(found_ptr + c, count.to(tl.int32))
