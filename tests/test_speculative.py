@@ -654,7 +654,8 @@ def test_device_proposals_are_planned_ahead_of_results(model_dirs, adapter_dirs)
     prompts = [(p * 4)[:40] for p in _prompts(6)]  # two full pages of 16 tokens each
     loras = _loras(adapter_dirs, "llama", len(prompts))
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = make_llm(model_dirs["llama"]).generate(prompts, sp, loras, use_tqdm=False)
+    scored = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=5)  # bf16: near-ties
+    want = make_llm(model_dirs["llama"]).generate(prompts, scored, loras, use_tqdm=False)
     llm = make_llm(model_dirs["llama"], speculative_config=SPEC, enable_prefix_caching=True)
     assert llm.engine.runner.ngram is not None and llm.engine.scheduler.ngram_on_device
     got, overlapped = _run_counting_overlap(

@@ -73,9 +73,13 @@ class StepInputs:
     sample_rows: torch.Tensor  # [num sampled chunks] token index of each chunk's last token
     sample_chunks: list[int]  # plan chunk index of each sampled row
     spec: SpecIndex | None = None  # a step that verifies proposals
-    # Proposals made on the device (runner/ngram_drafts.py): per chunk (its row in the
-    # previous step's outputs where its first token is pending, else -1; its history
-    # row; its draft positions the device fills) [C, 3] int64.
+    # Tokens still in flight (PENDING_TOKEN), fed from the previous step's outputs on
+    # the device: [2, F] int64 (their rows here, their rows there).
+    feed: torch.Tensor | None = None
+    # Proposals made on the device (runner/ngram_drafts.py), which feed the pending
+    # tokens themselves: per chunk (its row in the previous step's outputs where its
+    # first token is pending, else -1; its history row; its draft positions the device
+    # fills) [C, 3] int64.
     ngram_chunks: torch.Tensor | None = None
 
 
@@ -142,10 +146,11 @@ class InputBuffers:
 
     def prepare(self, plan: StepPlan, slot_ranks: list[int], graph: GraphShape | None = None,
                 dora_slots: frozenset[int] | set[int] = frozenset(),
-                pending_rows: dict[str, int] | None = None) -> StepInputs:
+                pending_rows: dict[str, int] | None = None, device_drafts: bool = False) -> StepInputs:
         """Fill the buffers for `plan`; graph: the shape of the CUDA graph that will run
-        it, to pad to; pending_rows (proposals made on the device): each request's row
-        in the previous step's outputs, for StepInputs.ngram_chunks."""
+        it, to pad to; pending_rows: each request's row in the previous step's outputs,
+        for StepInputs.feed, or with device_drafts (proposals made on the device)
+        StepInputs.ngram_chunks."""
         self.arena.next_turn()
         self.block_tables.next_turn()
         bs = self.block_size
@@ -203,7 +208,10 @@ class InputBuffers:
         lora_batch = self._lora(host, dev, num_tokens, slot_ranks, dora_slots) if lora else None
         # Fields no graph reads, after the layout's.
         end, sample_rows_dev = self.arena.tail(layout.end, sample_rows)
-        end, spec, ngram_chunks = self._spec(plan, chunk_starts, end, pending_rows)
+        feed = ngram_chunks = None
+        if pending_rows is not None and not device_drafts:
+            end, feed = self._feed(plan, chunk_starts, end, pending_rows)
+        end, spec, ngram_chunks = self._spec(plan, chunk_starts, end, pending_rows if device_drafts else None)
         self.arena.upload(end)
         attn = AttentionBatch(
             slot_mapping=dev["slot_mapping"],
@@ -223,8 +231,23 @@ class InputBuffers:
             sample_rows=sample_rows_dev,
             sample_chunks=sample_chunks,
             spec=spec,
+            feed=feed,
             ngram_chunks=ngram_chunks,
         )
+
+    def _feed(self, plan: StepPlan, qsl: list[int], start: int,
+              pending_rows: dict[str, int]) -> tuple[int, torch.Tensor | None]:
+        """StepInputs.feed, in the arena's tail from `start`; returns the tail's end too."""
+        dst, src = [], []
+        for c, chunk in enumerate(plan.chunks):
+            if chunk.token_ids[-1] == PENDING_TOKEN:
+                assert chunk.num_tokens == 1, "only decode chunks feed a pending token"
+                dst.append(qsl[c])
+                src.append(pending_rows[chunk.request_id])
+        if not dst:
+            return start, None
+        end, index = self.arena.tail(start, dst + src)
+        return end, index.view(2, -1)
 
     def _spec(self, plan: StepPlan, qsl: list[int], start: int, pending_rows: dict[str, int] | None
               ) -> tuple[int, SpecIndex | None, torch.Tensor | None]:

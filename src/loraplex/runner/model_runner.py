@@ -51,7 +51,6 @@ from loraplex.runner.sampler import SamplingRows, sample, sampling_probs, token_
 from loraplex.runner.step_outputs import LaunchedStep, StepTiming, concat_logprobs
 from loraplex.runner.structured import GrammarRows
 from loraplex.types import (
-    PENDING_TOKEN,
     SamplingParams,
     ScheduledChunk,
     StepPlan,
@@ -359,16 +358,16 @@ class ModelRunner:
         if self.graphs is not None and not any(c.lora_slot in dora for c in plan.chunks):  # DoRA: eager
             graph = self.graphs.shape_for(plan.num_tokens, len(plan.chunks),
                                           max(c.num_tokens for c in plan.chunks))
-        inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora,
-                                     pending_rows=self._last_rows if self.ngram is not None else None)
+        inputs = self.inputs.prepare(plan, ranks, graph=graph, dora_slots=dora, pending_rows=self._last_rows,
+                                     device_drafts=self.ngram is not None)
         found = None
         if self.ngram is not None:
             found = self.ngram.complete(plan, inputs, self._last_token_ids, self._last_shift)
             if graph is None and self._last_shift is not None:  # eager ops read the host copies
                 inputs.attn.seq_lens_cpu = inputs.attn.seq_lens.tolist()
                 inputs.attn.max_seq_len = max(inputs.attn.seq_lens_cpu)
-        else:
-            self._feed_pending_tokens(plan, inputs.input_ids)
+        elif inputs.feed is not None:  # tokens the step in flight samples, from its device output
+            inputs.input_ids[inputs.feed[0]] = self._last_token_ids[inputs.feed[1]]
         if graph is not None:
             hidden = self.graphs.replay(graph, inputs.lora is not None)
         else:
@@ -449,21 +448,6 @@ class ModelRunner:
             if marks:
                 marks[2].record()
         return tuple(marks) if marks else None
-
-    def _feed_pending_tokens(self, plan: StepPlan, input_ids: torch.Tensor) -> None:
-        """Write tokens still in flight (PENDING_TOKEN) from the previous step's device
-        output into this step's input ids: no wait for the host copy."""
-        dst, src = [], []
-        pos = 0
-        for chunk in plan.chunks:
-            if chunk.token_ids[-1] == PENDING_TOKEN:
-                assert chunk.num_tokens == 1, "only decode chunks feed a pending token"
-                dst.append(pos)
-                src.append(self._last_rows[chunk.request_id])
-            pos += chunk.num_tokens
-        if dst:
-            index = to_device([dst, src], torch.int64, self.device)
-            input_ids[index[0]] = self._last_token_ids[index[1]]
 
     def _sample(self, plan: StepPlan, rows: list[int], logits: torch.Tensor, out: LaunchedStep):
         chunks = [plan.chunks[i] for i in rows]
