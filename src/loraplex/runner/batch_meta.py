@@ -83,6 +83,10 @@ class StepInputs:
     ngram_chunks: torch.Tensor | None = None
 
 
+# LoRABatch's device tensors: the layout's fields of the same names.
+_LORA_TENSORS = ("token_slot", "sorted_token_ids", "group_slots", "group_starts", "group_ranks", "slot_ranks")
+
+
 class _Buffer:
     """A device tensor and its pinned host staging twins, used in turn by successive
     steps (as StagingArena's, for the same reason)."""
@@ -325,16 +329,7 @@ class InputBuffers:
             max_query_len=graph.query_len or size,
             max_seq_len=0,
         )
-        lora = LoRABatch(
-            token_slot=dev["token_slot"],
-            sorted_token_ids=dev["sorted_token_ids"],
-            group_slots=dev["group_slots"],
-            group_starts=dev["group_starts"],
-            group_ranks=dev["group_ranks"],
-            slot_ranks=dev["slot_ranks"],
-            groups=[],
-            active=True,
-        ) if with_lora else None
+        lora = LoRABatch(**{name: dev[name] for name in _LORA_TENSORS}, groups=[]) if with_lora else None
         return StepInputs(
             input_ids=dev["input_ids"],
             positions=dev["positions"],
@@ -358,12 +353,7 @@ class InputBuffers:
         host["slot_ranks"][:] = 0
         host["slot_ranks"][: len(slot_ranks)] = slot_ranks
         return LoRABatch(
-            token_slot=dev["token_slot"],
-            sorted_token_ids=dev["sorted_token_ids"],
-            group_slots=dev["group_slots"],
-            group_starts=dev["group_starts"],
-            group_ranks=dev["group_ranks"],
-            slot_ranks=dev["slot_ranks"],
+            **{name: dev[name] for name in _LORA_TENSORS},
             groups=groups,
             host_token_slot=host["token_slot"][:num_tokens].copy(),
             dora=any(x.slot in dora_slots for x in groups),
