@@ -201,19 +201,16 @@ def cost(args) -> dict:
         llm.generate(prompts, sp, use_tqdm=False)
         return time.perf_counter() - t0
 
-    class NeverKept:  # an n-gram index whose proposals the model (nearly) never samples
-        def __init__(self, n_min, n_max=None):
+    class AlwaysMatches:  # SeenSuffix's question, always yes (never_kept_on_device fills them)
+        def __init__(self, n_min):
             pass
 
-        def propose(self, prompt, output, room):
-            return [vocab - 1 - i for i in range(room)]
-
-        def matches(self, prompt, output):  # SeenSuffix's question: always a proposal
+        def matches(self, prompt, output):
             return True
 
     import loraplex.engine.scheduler as scheduler_module
 
-    scheduler_module.NgramIndex = scheduler_module.SeenSuffix = NeverKept
+    scheduler_module.SeenSuffix = AlwaysMatches
     config = scheduler.speculative
     run_s(None), run_s(config)  # warm-up
     drafted = scheduler.num_draft_tokens
@@ -235,8 +232,8 @@ def cost(args) -> dict:
 
 def never_kept_on_device(ngram, vocab: int) -> None:
     """Proposals made on the device (runner/ngram_drafts.py) that fill every draft
-    position with tokens the model (nearly) never samples, as NeverKept does on the
-    host: written after the real search, from the plan's host-side layout (no sync)."""
+    position with tokens the model (nearly) never samples: written after the real
+    search, from the plan's host-side layout (no sync)."""
     import torch
 
     from loraplex.device import to_device

@@ -1,5 +1,5 @@
 """Proposals on demand for speculation tests: random models' text seldom repeats itself,
-so the n-gram proposer, on the host or on the device, would seldom propose."""
+so the n-gram proposer would seldom propose."""
 
 from __future__ import annotations
 

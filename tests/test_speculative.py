@@ -14,7 +14,7 @@ from speculation import AlwaysSeen, repeat_last_on_device
 
 from loraplex import LoRARequest, SamplingParams, ops
 from loraplex.config import SpeculativeConfig
-from loraplex.engine.speculative import PROBE_PERIOD, NgramIndex, SeenSuffix, draft_length, propose_ngram
+from loraplex.engine.speculative import PROBE_PERIOD, SeenSuffix, draft_length, propose_ngram
 from loraplex.errors import InvalidRequest
 from loraplex.runner.rejection import Verified, rejection_sample
 
@@ -81,24 +81,6 @@ def test_ngram_prefers_the_longest_suffix_then_the_latest_occurrence():
     assert propose_ngram(tokens, k=1, n_min=1, n_max=1) == [0]
     assert propose_ngram(tokens, k=1, n_min=2, n_max=2) == [8]
     assert propose_ngram([4, 4, 4, 4], k=2, n_min=1, n_max=3) == [4, 4]  # overlapping runs
-
-
-def test_the_incremental_index_proposes_what_the_search_does():
-    """NgramIndex against propose_ngram on random sequences over a small alphabet (many
-    repeats): a prompt, then output grown one to four tokens at a time, with every n
-    range and k."""
-    gen = torch.Generator().manual_seed(5)
-    for trial in range(60):
-        n_min = 1 + trial % 3
-        n_max = n_min + trial % 4
-        k = 1 + trial % 5
-        index = NgramIndex(n_min, n_max)
-        prompt = torch.randint(0, 2 + trial % 6, (3 + trial % 7,), generator=gen).tolist()
-        output = []
-        while len(output) < 80:
-            want = propose_ngram(prompt + output, k, n_min, n_max)
-            assert index.propose(prompt, output, k) == want, (prompt, output, n_min, n_max, k)
-            output += torch.randint(0, 2 + trial % 6, (1 + len(output) % 4,), generator=gen).tolist()
 
 
 def test_seen_suffix_says_whether_the_search_proposes():
@@ -256,24 +238,12 @@ def test_speculation_under_preemption_stops_and_opt_outs(model_dirs):
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
 
 
-class _RepeatLast:
-    """An n-gram index that always proposes the last token again (a random model's
-    sampled text seldom repeats, so the real index would seldom propose)."""
-
-    def __init__(self, n_min, n_max):
-        pass
-
-    def propose(self, prompt, output, room):
-        return [(output or prompt)[-1]] * room
-
-
 def test_sampled_rows_speculate_and_keep_their_lengths(model_dirs, monkeypatch):
     """Temperature 0.8 with top-p, unseeded: rows speculate and every request gets its
     max_tokens (the distribution itself: test_sampled_tokens_keep_the_target_distribution)."""
     import loraplex.engine.scheduler as scheduler_module
     from loraplex.runner import ngram_drafts
 
-    monkeypatch.setattr(scheduler_module, "NgramIndex", _RepeatLast)
     monkeypatch.setattr(scheduler_module, "SeenSuffix", AlwaysSeen)
     real = ngram_drafts.ops.ngram_inputs
     monkeypatch.setattr(ngram_drafts.ops, "ngram_inputs", repeat_last_on_device(real))
@@ -514,11 +484,11 @@ def test_the_engine_keeps_the_sampled_distribution(tmp_path):
 # -- adaptivity ------------------------------------------------------------------------------
 
 
-class _FixedProposals:
-    """An n-gram index that always proposes `room` tokens of 1."""
+class _AlwaysMatches:
+    """SeenSuffix that always finds a match: the request proposes whatever it earned."""
 
-    def propose(self, prompt, output, room):
-        return [1] * room
+    def matches(self, prompt, output):
+        return True
 
 
 def _spec_scheduler(k=4, requests=1):
@@ -535,14 +505,15 @@ def _spec_scheduler(k=4, requests=1):
     for i in range(requests):
         req = Request(request_id=f"r{i}", prompt_token_ids=[3, 4, 5, 6],
                       sampling=SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
-        req.ngram = _FixedProposals()
+        req.seen_suffix = _AlwaysMatches()
         sched.add(req)
         reqs.append(req)
     return sched, reqs
 
 
 def _step(sched, keep: bool) -> list[int]:
-    """One plan and its result, proposals all kept (keep) or none; the drafts proposed."""
+    """One plan and its result, the device having filled every draft position (tokens
+    of 1), all kept (keep) or none; the drafts proposed."""
     from loraplex.types import StepResult
 
     plan = sched.schedule()
@@ -550,7 +521,8 @@ def _step(sched, keep: bool) -> list[int]:
     result = StepResult([None if c.draft_ids else 2 for c in plan.chunks], [None] * n, [None] * n)
     for i, c in enumerate(plan.chunks):
         if c.draft_ids:
-            result.speculated[i] = (list(c.draft_ids) if keep else []) + [2]
+            result.speculated[i] = ([1] * len(c.draft_ids) if keep else []) + [2]
+            result.num_proposed[i] = len(c.draft_ids)
     sched.update(plan, result)
     return [len(c.draft_ids or ()) for c in plan.chunks]
 
@@ -558,33 +530,30 @@ def _step(sched, keep: bool) -> list[int]:
 def test_proposals_never_kept_stop_and_probes_bring_them_back():
     """A request whose proposals are never kept proposes k, then k / 2, then nothing but
     one-token probes, on plans that are multiples of a period doubling from
-    PROBE_PERIOD with each probe not kept (wants_proposals says which plans, so the
-    engine keeps its overlap between); a kept probe restores proposals and the period."""
+    PROBE_PERIOD with each probe not kept (powers of two: the probes of all requests
+    fall on the same plans); a kept probe restores proposals and the period."""
     sched, (req,) = _spec_scheduler()
     _step(sched, keep=True)  # the prompt
-    proposed, wanted = {}, []
-    while sched.num_plans < 100:
+    proposed = {}
+    while sched.num_plans < 128:
         index = sched.num_plans
-        wanted.append(sched.wants_proposals())
         proposed[index] = _step(sched, keep=False)[0]
     assert [proposed[1], proposed[2]] == [4, 2]  # acceptance 0.5, then 0.35
     assert {i: d for i, d in proposed.items() if i > 2 and d} == {8: 1, 16: 1, 32: 1, 64: 1}
-    assert wanted == [d > 0 for d in proposed.values()]
-    while not sched.wants_proposals():
-        _step(sched, keep=False)
+    assert not sched.wants_proposals()  # proposals made on the device: planning stays overlapped
     assert sched.num_plans == 128 and _step(sched, keep=True) == [1]  # the probe is kept
     assert _step(sched, keep=True)[0] >= 2 and req.acceptance.probe_period == PROBE_PERIOD
 
 
 class _MatchEveryOther:
-    """An n-gram index with a match (room tokens of 1) every other step only."""
+    """SeenSuffix with a match every other step only."""
 
     def __init__(self):
         self.calls = 0
 
-    def propose(self, prompt, output, room):
+    def matches(self, prompt, output):
         self.calls += 1
-        return [1] * room if self.calls % 2 else []
+        return self.calls % 2 == 1
 
 
 def test_steps_without_a_match_leave_the_acceptance_be():
@@ -592,7 +561,7 @@ def test_steps_without_a_match_leave_the_acceptance_be():
     (quoting with gaps) proposes k whenever it has one: steps without a match propose
     nothing and cost nothing, so they do not count against it."""
     sched, (req,) = _spec_scheduler()
-    req.ngram = _MatchEveryOther()
+    req.seen_suffix = _MatchEveryOther()
     _step(sched, keep=True)  # the prompt
     proposed = [_step(sched, keep=True)[0] for _ in range(12)]
     assert proposed == [4, 0] * 6 and req.acceptance.rate > 0.9

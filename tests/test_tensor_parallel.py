@@ -36,10 +36,14 @@ SIZES = [2, 4] if DEVICE == "cpu" else [n for n in (2, 4) if n <= torch.cuda.dev
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0, logprobs=5)
 
 
-def _run(model_dir, prompts, loras, size, sp=SP, **kwargs):
+def _run(model_dir, prompts, loras, size, sp=SP, check=None, **kwargs):
+    """The outputs of an engine of `size` ranks; check(engine) before it closes."""
     llm = make_llm(model_dir, tensor_parallel_size=size, **kwargs)
     try:
-        return llm.generate(prompts, sp, loras)
+        outs = llm.generate(prompts, sp, loras)
+        if check is not None:
+            check(llm.engine)
+        return outs
     finally:
         llm.close()
 
@@ -156,19 +160,27 @@ def _randomise_biases_and_sinks(model_dir):
 
 def test_sampling_speculation_and_dummy_weights(dense):
     """Seeded sampling and n-gram speculation give the one-process engine's tokens
-    (rank 0 samples and verifies; the others take its ids), and dummy weights are the
-    same model split (each rank draws every matrix whole and keeps its part). bf16: the
-    greedy runs to a near-tie; seeded draws then take other paths, so only their shape."""
+    (rank 0 samples and verifies; the others take its ids and, with proposals made on
+    the device on every rank, where each verified sequence goes on), and dummy weights
+    are the same model split (each rank draws every matrix whole and keeps its part).
+    bf16: the greedy runs to a near-tie; seeded draws then take other paths, so only
+    their shape."""
     model_dir, adapters = dense["llama"]
     size = SIZES[0]
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7], [11, 12, 13, 11, 12, 13, 11, 12]]
     loras = [LoRARequest("a0", 1, str(adapters[0])), None]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, n=2)
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
-    for sp, kwargs in ((seeded, {}), (SP, {"speculative_config": spec}), (SP, {"load_format": "dummy"})):
+    # Rows that return logprobs never speculate: the speculated run's rows do not (the
+    # plain run's do, for bf16's near-ties).
+    speculated = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    for sp, got_sp, kwargs in ((seeded, seeded, {}), (scored, speculated, {"speculative_config": spec}),
+                               (SP, SP, {"load_format": "dummy"})):
         plain = {k: v for k, v in kwargs.items() if k != "speculative_config"}
         want = _run(model_dir, prompts, loras, 1, sp, **plain)
-        got = _run(model_dir, prompts, loras, size, sp, **kwargs)
+        check = _proposed_on_device if plain != kwargs else None
+        got = _run(model_dir, prompts, loras, size, got_sp, check=check, **kwargs)
         if DTYPE == "float32":
             assert _tokens(got) == _tokens(want)
         elif sp.temperature == 0:
@@ -176,6 +188,12 @@ def test_sampling_speculation_and_dummy_weights(dense):
                 assert_same_greedy_tokens(g.outputs[0], w.outputs[0])
         else:
             assert [[len(t) for t in o] for o in _tokens(got)] == [[len(t) for t in o] for o in _tokens(want)]
+
+
+def _proposed_on_device(engine) -> None:
+    assert engine.scheduler.ngram_on_device and engine.runner.ngram is not None
+    stats = engine.stats()
+    assert stats["spec_draft_tokens"] > 0, stats
 
 
 def _tokens(outs) -> list[list[list[int]]]:

@@ -87,7 +87,6 @@ class LLMEngine:
                          enable_caching=config.cache.enable_prefix_caching),
             SlotTable(config.lora.max_loras),
             config.speculative,
-            ngram_on_device=getattr(self.runner, "ngram", None) is not None,
         )
         self._live: dict[str, _Live] = {}
         self._parents: dict[str, ParentRequest] = {}  # requests with several samples

@@ -8,7 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from loraplex.adapters.manager import AdapterTicket
-from loraplex.engine.speculative import Acceptance, NgramIndex, SeenSuffix
+from loraplex.engine.speculative import Acceptance, SeenSuffix
 from loraplex.types import (
     PENDING_TOKEN,
     LoRARequest,
@@ -66,12 +66,11 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int = 0
-    # Speculative decoding: its n-gram index (made at its first proposal).
-    ngram: NgramIndex | None = None
+    # Speculative decoding.
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its proposals (speculative.py)
-    # Proposals made on the device (runner/ngram_drafts.py): its row of the runner's token
-    # history while running, and whether its next chunk must first write the tokens
-    # before it there (admitted with cached pages).
+    # n-gram proposals, made on the device (runner/ngram_drafts.py): its row of the
+    # runner's token history while running, and whether its next chunk must first write
+    # the tokens before it there (admitted with cached pages).
     history_row: int = -1
     history_prefix_due: bool = False
     seen_suffix: SeenSuffix | None = None  # whether its known tokens would propose

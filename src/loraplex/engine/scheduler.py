@@ -15,7 +15,7 @@ the next step feeds from the device (PENDING_TOKEN) before its id reaches the ho
 Decodes are planned before prefill chunks so that a pending token is always consumed by
 the very next step; update() later fills in the ids and applies stop conditions, and a
 request that turns out to have stopped simply has its in-flight token dropped.
-A chunk that verifies k proposals made on the device (ngram_on_device) leaves 1 + k
+A chunk that verifies k n-gram proposals (made on the device) leaves 1 + k
 pending tokens, planned as if all were kept: the next step starts after them, and the
 runner moves it back by those not kept before it runs; update() does the same here.
 """
@@ -29,15 +29,16 @@ from loraplex.adapters.slot_table import SlotTable
 from loraplex.config import DRAFT_TOKENS_PER_STEP, SchedulerConfig, SpeculativeConfig
 from loraplex.engine.block_manager import BlockManager, page_hashes
 from loraplex.engine.request import Request, RequestStatus
-from loraplex.engine.speculative import NgramIndex, SeenSuffix, speculates
+from loraplex.engine.speculative import SeenSuffix, speculates
 from loraplex.types import PromptLogprobsTask, ScheduledChunk, StepPlan, StepResult
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, slots: SlotTable,
-                 speculative: SpeculativeConfig | None = None, ngram_on_device: bool = False):
-        """ngram_on_device: n-gram proposals are made by the runner on the device
-        (runner/ngram_drafts.py), so steps that speculate are planned ahead of results."""
+                 speculative: SpeculativeConfig | None = None):
+        """speculative: with "ngram", proposals are made by the runner on the device
+        (runner/ngram_drafts.py), so steps that speculate are planned ahead of results;
+        a draft model's (engine/draft_model.py) on the host."""
         # Otherwise a request could outgrow the whole cache and preempt itself forever.
         assert blocks.num_blocks * blocks.block_size >= config.max_model_len, (
             "the KV cache must hold one max_model_len sequence"
@@ -56,9 +57,9 @@ class Scheduler:
         self.num_verified_chunks = 0  # in this many verified chunks
         self.num_plans = 0  # plans made (requests that stopped proposing probe on some: speculative.py)
         self._draft_room = 0  # tokens the plan being made may still propose
-        self.ngram_on_device = ngram_on_device
+        self.ngram_on_device = speculative is not None and speculative.method == "ngram"
         # Rows of the runner's token history, one per running request (ngram_on_device).
-        self._free_history_rows = list(range(config.max_num_seqs))[::-1] if ngram_on_device else []
+        self._free_history_rows = list(range(config.max_num_seqs))[::-1] if self.ngram_on_device else []
 
     # -- queue -------------------------------------------------------------------------
 
@@ -175,16 +176,12 @@ class Scheduler:
             return []
         if spec.method == "draft_model":
             drafts = [0] * room  # placeholders: the engine's DraftModel fills them in
-        elif self.ngram_on_device:
-            # Where its known tokens would propose (its in-flight ones likely go on
-            # matching): room placeholders, which the runner fills from the newest tokens.
+        else:
+            # n-gram: where its known tokens would propose (its in-flight ones likely go
+            # on matching), room placeholders, which the runner fills from the newest tokens.
             if req.seen_suffix is None:
                 req.seen_suffix = SeenSuffix(spec.prompt_lookup_min)
             drafts = [0] * room if req.seen_suffix.matches(req.prompt_token_ids, req.output_token_ids) else []
-        else:
-            if req.ngram is None:
-                req.ngram = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-            drafts = req.ngram.propose(req.prompt_token_ids, req.output_token_ids, room)
         if drafts and not self.blocks.can_grow(req.block_ids, req.num_tokens + len(drafts)):
             return []
         self._draft_room -= len(drafts)

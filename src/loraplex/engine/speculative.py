@@ -1,5 +1,7 @@
-"""Speculative decoding, host side: which requests speculate, and the n-gram proposer
-(the configuration, vLLM's `--speculative-config` JSON: config.SpeculativeConfig).
+"""Speculative decoding, host side: which requests speculate, how many tokens each
+proposes, whether the n-gram proposer would find a proposal, and that proposer's plain
+definition (the configuration, vLLM's `--speculative-config` JSON:
+config.SpeculativeConfig).
 
 The n-gram proposer (vLLM's "ngram", prompt lookup decoding) needs no model: for the
 longest n in [prompt_lookup_min, prompt_lookup_max] whose last n tokens of a sequence
@@ -10,8 +12,9 @@ repeats), the sequence repeats with that period, and the proposal goes on repeat
 as an LZ77 copy does (truncated there, a degenerate adapter output that repeats one
 token gave 3 tokens a verify step of k = 4 instead of 5; Gemma 3 270M, quote workload).
 It reads only its own sequence's tokens, so proposals never cross requests. The runner
-verifies all of them in one forward (runner/rejection.py) and keeps the target model's
-distribution exactly.
+makes the proposals on the device (runner/ngram_drafts.py, ops.ngram_inputs; propose_ngram
+below is their oracle), verifies them in one forward (runner/rejection.py) and keeps
+the target model's distribution exactly.
 """
 
 from __future__ import annotations
@@ -86,49 +89,13 @@ class Acceptance:
         self.rate += ACCEPTANCE_WEIGHT * (kept / proposed - self.rate)
 
 
-class NgramIndex:
-    """propose_ngram for one growing sequence, in time independent of its length: each
-    n-gram (n_min..n_max) maps to the position after its latest occurrence, indexed as
-    tokens arrive (a decode step adds a few). Known tokens only grow, also across a
-    preemption, so the index never goes stale."""
-
-    def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens: list[int] = []  # the sequence so far (copied in as it grows)
-        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> position after its latest occurrence
-        self.num_indexed = 1  # positions p < num_indexed have their n-grams ending at p - 1 indexed
-
-    def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
-        """propose_ngram(prompt + output, k, n_min, n_max), copying and indexing only the
-        tokens that arrived since the last call."""
-        tokens = self.tokens
-        if len(tokens) < len(prompt):
-            tokens.extend(prompt[len(tokens):])
-        tokens.extend(output[len(tokens) - len(prompt):])
-        length = len(tokens)
-        # An n-gram tokens[p - n : p] is followed by tokens[p]: positions p <= length - 1
-        # (the suffix's own next position, length, is not known). Per n, the new
-        # positions in order, so a later occurrence replaces an earlier one; zip builds
-        # the n-grams in C (a 600-token prompt in Python loops: ~6 ms under cProfile).
-        for n in range(self.n_min, self.n_max + 1):
-            first = max(self.num_indexed, n)
-            grams = zip(*(tokens[first - n + j: length - n + j] for j in range(n)))
-            self.after.update(zip(grams, range(first, length)))
-        self.num_indexed = max(self.num_indexed, length)
-        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
-            p = self.after.get(tuple(tokens[length - n:]))
-            if p is not None:
-                return continuation(tokens, p, k)
-        return []
-
-
 class SeenSuffix:
     """Whether the n-gram proposer would find a proposal for a growing sequence, without
     proposing: its last n_min tokens occurred earlier with a token after them (a longer
     matching suffix implies this one). For proposals made on the device
     (runner/ngram_drafts.py) the scheduler asks this of the tokens it knows, one step
     behind, to decide whether a request proposes. A set of the n_min-grams followed by
-    a token, grown as tokens arrive (NgramIndex's n-grams of every length, indexed in
+    a token, grown as tokens arrive (an index of the n-grams of every length, built in
     Python loops, held the first decode step of 8 requests starting together ~20 ms)."""
 
     def __init__(self, n_min: int):
@@ -160,7 +127,7 @@ def continuation(tokens: list[int], e: int, k: int) -> list[int]:
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """The k tokens that followed the latest earlier occurrence of the sequence's
     longest matching suffix of n_min..n_max tokens (continuation()); [] where none
-    occurred (the plain search NgramIndex answers incrementally)."""
+    occurred."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
     for n in range(min(n_max, length - 1), n_min - 1, -1):

@@ -113,7 +113,7 @@ class ModelRunner:
         spec = config.speculative
         self.ngram = (NgramDrafts(spec, sched.max_num_seqs, sched.max_model_len, config.cache.block_size,
                                   self.device)
-                      if spec is not None and spec.method == "ngram" and tp is None else None)
+                      if spec is not None and spec.method == "ngram" else None)
         self._structured = GrammarRows(config.model.vocab_size, eos_token_ids)
         use_streams = self.device.type == "cuda" and config.ops_backend == "triton"
         # Decode graphs run the LoRA shrink on this side stream, beside the base GEMM.
@@ -453,7 +453,7 @@ class ModelRunner:
         chunks = [plan.chunks[i] for i in rows]
         if not self.leader:  # the leader's ids, for the pending tokens of the next step
             token_ids = self.tp.broadcast(torch.empty(len(rows), dtype=torch.int64, device=self.device))
-            self._last_token_ids, self._last_step = token_ids, out
+            self._last_token_ids, self._last_step, self._last_shift = token_ids, out, None
             self._last_rows = {c.request_id: j for j, c in enumerate(chunks)}
             return
         try:
@@ -494,45 +494,63 @@ class ModelRunner:
         acceptance (ops.greedy_accept) or rejection sampling (runner/rejection.py), which
         keeps the target's distribution. Proposals are read from the step's input ids;
         `found`: how many each chunk's draft positions hold, where the device proposed
-        them (else all of them)."""
-        if not self.leader:  # the leader verifies; the step after it is planned from its result
+        them (else all of them). The leader verifies; with proposals made on the device
+        the other ranks take from it the token each sequence added and its shift, for
+        the step after (planned before this one's results)."""
+        device_drafts = plan.chunks[spec.chunks[0]].device_drafts
+        num = len(spec.chunks)
+        if not self.leader:
+            if device_drafts:
+                added, shift = self.tp.broadcast(torch.empty(2, num, dtype=torch.int64, device=self.device))
+                self._note_verified(plan, inputs, spec.chunks, added, shift.to(torch.int32))
             return
+        next_step = None
+        try:
+            verified, added, shift = self._accept(plan, inputs, spec, logits, found)
+            next_step = torch.stack([added, shift.to(torch.int64)])
+        finally:
+            if self.tp is not None and device_drafts:  # the other ranks wait: they get it even on failure
+                self.tp.broadcast(next_step if next_step is not None else torch.zeros(
+                    2, num, dtype=torch.int64, device=self.device))
+        out.spec_chunks, out.spec_verified = spec.chunks, verified
+        if device_drafts:
+            self._note_verified(plan, inputs, spec.chunks, added, shift)
+
+    def _accept(self, plan: StepPlan, inputs: StepInputs, spec: SpecIndex, logits: torch.Tensor,
+                found: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ops.greedy_accept's (verified, added, shift), greedily or by rejection sampling."""
         chunks, k = spec.chunks, spec.k
         found = spec.counts if found is None else found
         sps = [plan.chunks[i].sampling for i in chunks]
         if all(sp.greedy for sp in sps):
             best = logits.view(len(chunks), k + 1, -1).argmax(dim=-1)
-            verified, added, shift = ops.greedy_accept(best, inputs.input_ids, spec.meta, found)
-        else:
-            row_sps = [sp for sp in sps for _ in range(k + 1)]
-            probs = sampling_probs(logits, [sp.temperature for sp in row_sps], [sp.top_k for sp in row_sps],
-                                   [sp.top_p for sp in row_sps]).view(len(chunks), k + 1, -1)
-            greedy = to_device([sp.greedy for sp in sps], torch.bool, self.device)
-            drafts = inputs.input_ids[spec.draft_rows].view(len(chunks), k)
-            proposed = found[spec.meta[:, 2]].long()
-            sampled = rejection_sample(probs, drafts, proposed, greedy, generator=self.generator)
-            accepted = sampled.num_accepted
-            verified = torch.cat([sampled.token_ids, accepted[:, None], proposed[:, None]], dim=1)
-            added = sampled.token_ids.gather(1, accepted[:, None])[:, 0]
-            shift = (accepted - spec.meta[:, 1]).to(torch.int32)
-        out.spec_chunks, out.spec_verified = chunks, verified
-        if plan.chunks[chunks[0]].device_drafts:
-            self._note_verified(plan, chunks, added, shift, out)
+            return ops.greedy_accept(best, inputs.input_ids, spec.meta, found)
+        row_sps = [sp for sp in sps for _ in range(k + 1)]
+        probs = sampling_probs(logits, [sp.temperature for sp in row_sps], [sp.top_k for sp in row_sps],
+                               [sp.top_p for sp in row_sps]).view(len(chunks), k + 1, -1)
+        greedy = to_device([sp.greedy for sp in sps], torch.bool, self.device)
+        drafts = inputs.input_ids[spec.draft_rows].view(len(chunks), k)
+        proposed = found[spec.meta[:, 2]].long()
+        sampled = rejection_sample(probs, drafts, proposed, greedy, generator=self.generator)
+        accepted = sampled.num_accepted
+        verified = torch.cat([sampled.token_ids, accepted[:, None], proposed[:, None]], dim=1)
+        added = sampled.token_ids.gather(1, accepted[:, None])[:, 0]
+        return verified, added, (accepted - spec.meta[:, 1]).to(torch.int32)
 
-    def _note_verified(self, plan: StepPlan, spec: list[int], added: torch.Tensor, shift: torch.Tensor,
-                       out: LaunchedStep) -> None:
+    def _note_verified(self, plan: StepPlan, inputs: StepInputs, spec: list[int], added: torch.Tensor,
+                       shift: torch.Tensor) -> None:
         """The next step, planned as if every draft position held a kept proposal, is fed
-        each verified sequence's last token (`added`) and moved back by `shift` (<= 0)."""
-        sampled = out.token_ids
-        rows = {} if sampled is None else self._last_rows  # sampled: this step's plain rows
-        first = 0 if sampled is None else len(sampled)
-        self._last_rows = rows | {plan.chunks[i].request_id: first + j for j, i in enumerate(spec)}
-        if sampled is None:
-            self._last_token_ids, self._last_shift = added, shift
-        else:
+        each verified sequence's last token (`added`) and moved back by `shift` (<= 0);
+        after this step's sampled rows, if it has any (_sample just recorded them)."""
+        if inputs.sample_chunks:
+            sampled, rows = self._last_token_ids, self._last_rows
+            first = len(sampled)
             self._last_token_ids = torch.cat([sampled, added])
             self._last_shift = torch.cat([self.ngram.no_shift[:first], shift])
-        self._last_step = out
+        else:
+            rows, first = {}, 0
+            self._last_token_ids, self._last_shift = added, shift
+        self._last_rows = rows | {plan.chunks[i].request_id: first + j for j, i in enumerate(spec)}
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
         rows, targets = [], []

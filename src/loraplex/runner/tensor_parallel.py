@@ -99,6 +99,10 @@ class TensorParallelRunner:
     def lora_slots(self):
         return self.runner.lora_slots
 
+    @property
+    def ngram(self):
+        return self.runner.ngram
+
     def launch(self, plan: StepPlan, loads: Mapping[int, LoRAAdapter] | None = None,
                timed: bool = False) -> LaunchedStep:
         loads = loads or {}
