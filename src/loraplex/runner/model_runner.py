@@ -6,7 +6,8 @@ model and samples.
 
 Under tensor parallelism (`tp`) every rank runs a ModelRunner over its shard of the model
 (models/tensor_parallel.py) on the same plans (runner/tensor_parallel.py). Rank 0, the
-leader, samples and broadcasts the ids; the others take them for the next step's pending
+leader, samples and broadcasts the ids (and, after verifying n-gram proposals, each
+sequence's added token and shift); the others take them for the next step's pending
 tokens and compute logits only where rank 0 does, since the LM head gathers them.
 """
 

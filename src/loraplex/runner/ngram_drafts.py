@@ -10,7 +10,9 @@ positions and KV slots moved back by the proposals not kept, and the proposals
 themselves, found in a per-sequence history of its tokens on the device (a row the
 scheduler assigns at admission; every step records its tokens there). Planning thus
 overlaps the device's work as in plain decoding, and a proposal always reads the
-sequence's newest tokens.
+sequence's newest tokens. Under tensor parallelism every rank keeps the same history and
+makes the same proposals; the leader's verification tells the others where each
+sequence goes on (ModelRunner._verify).
 """
 
 from __future__ import annotations
