@@ -212,7 +212,7 @@ class InputBuffers:
         lora_batch = self._lora(host, dev, num_tokens, slot_ranks, dora_slots) if lora else None
         # Fields no graph reads, after the layout's.
         end, sample_rows_dev = self.arena.tail(layout.end, sample_rows)
-        feed = ngram_chunks = None
+        feed = None
         if pending_rows is not None and not device_drafts:
             end, feed = self._feed(plan, chunk_starts, end, pending_rows)
         end, spec, ngram_chunks = self._spec(plan, chunk_starts, end, pending_rows if device_drafts else None)

@@ -503,7 +503,7 @@ class ModelRunner:
         if not self.leader:
             if device_drafts:
                 added, shift = self.tp.broadcast(torch.empty(2, num, dtype=torch.int64, device=self.device))
-                self._note_verified(plan, inputs, spec.chunks, added, shift.to(torch.int32))
+                self._note_verified(plan, inputs, spec.chunks, added, shift.to(torch.int32), out)
             return
         next_step = None
         try:
@@ -515,7 +515,7 @@ class ModelRunner:
                     2, num, dtype=torch.int64, device=self.device))
         out.spec_chunks, out.spec_verified = spec.chunks, verified
         if device_drafts:
-            self._note_verified(plan, inputs, spec.chunks, added, shift)
+            self._note_verified(plan, inputs, spec.chunks, added, shift, out)
 
     def _accept(self, plan: StepPlan, inputs: StepInputs, spec: SpecIndex, logits: torch.Tensor,
                 found: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -539,7 +539,7 @@ class ModelRunner:
         return verified, added, (accepted - spec.meta[:, 1]).to(torch.int32)
 
     def _note_verified(self, plan: StepPlan, inputs: StepInputs, spec: list[int], added: torch.Tensor,
-                       shift: torch.Tensor) -> None:
+                       shift: torch.Tensor, out: LaunchedStep) -> None:
         """The next step, planned as if every draft position held a kept proposal, is fed
         each verified sequence's last token (`added`) and moved back by `shift` (<= 0);
         after this step's sampled rows, if it has any (_sample just recorded them)."""
@@ -552,6 +552,7 @@ class ModelRunner:
             rows, first = {}, 0
             self._last_token_ids, self._last_shift = added, shift
         self._last_rows = rows | {plan.chunks[i].request_id: first + j for j, i in enumerate(spec)}
+        self._last_step = out
 
     def _prompt_logprobs(self, plan: StepPlan, qsl: list[int], hidden: torch.Tensor, out: LaunchedStep):
         rows, targets = [], []
