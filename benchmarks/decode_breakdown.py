@@ -90,7 +90,7 @@ def breakdown(runner, shape, use: bool, refill, replays: int = 20) -> dict:
     with torch.inference_mode(), ops.using_backend(runner.config.ops_backend):
         step = runner.inputs.graph_inputs(shape, use)
         ctx = ForwardContext(attn=step.attn, lora=step.lora, aux_stream=runner.aux_stream,
-                             moe_stats=runner.moe_stats)
+                             moe_stats=runner.moe_stats, router_lora=harness.router_lora(runner))
         with forward_context(ctx):
             runner.model(step.input_ids, step.positions)  # warm-up, unmarked
             torch.cuda.synchronize()
@@ -160,7 +160,8 @@ def main(argv=None):
                              random_prompts=args.random_prompts)
         torch.cuda.synchronize()
         shape = runner.graphs.shape_for(args.batch, args.batch, 1)
-        plain = harness.events_ms(lambda: runner.graphs.replay(shape, use), repeats=50)
+        router = harness.router_lora(runner)
+        plain = harness.events_ms(lambda: runner.graphs.replay(shape, use, router), repeats=50)
 
         def refill():
             for _ in range(2):

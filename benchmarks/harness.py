@@ -456,6 +456,12 @@ def decode_engine(args: argparse.Namespace, **llm_kwargs):
     return engine, engine.runner, loras
 
 
+def router_lora(runner) -> bool:
+    """Whether the runner's steps on the resident adapters run the MoE routers' LoRA (as
+    ModelRunner decides per step: some adapter of the step adapts a router)."""
+    return runner.lora_slots is not None and bool(runner.lora_slots.router_slots)
+
+
 def start_decode(engine, label: str, batch: int, prompt_len: int, loras: list, max_tokens: int,
                  warm_steps: int = 5, random_prompts: bool = False) -> None:
     """`batch` requests (request i on adapter i mod len(loras), none without loras),

@@ -93,7 +93,8 @@ def main(argv=None):
         run = {"engine_step_ms": wall}
         if runner.graphs is not None:
             size = runner.graphs.shape_for(args.batch, args.batch, 1)
-            gpu = harness.events_ms(lambda: runner.graphs.replay(size, use), repeats=20)
+            router = harness.router_lora(runner)
+            gpu = harness.events_ms(lambda: runner.graphs.replay(size, use, router), repeats=20)
             run["graph_replay_ms"] = gpu
             print(f"[{label}] engine step {wall:.3f} ms wall; graph replay {gpu:.3f} ms GPU; "
                   f"other (CPU + sampling + logits) {wall - gpu:.3f} ms")

@@ -275,7 +275,7 @@ class _EagerGraphs:
     def shape_for(self, num_tokens, num_seqs, max_query_len):
         return self.graphs.shape_for(num_tokens, num_seqs, max_query_len)
 
-    def replay(self, shape, with_lora):
+    def replay(self, shape, with_lora, router_lora=True):
         from loraplex.layers.context import ForwardContext, forward_context
 
         step = self.step
@@ -286,7 +286,7 @@ class _EagerGraphs:
         # the reference ops run here read the host copies.
         step.attn.seq_lens_cpu = step.attn.seq_lens.tolist()
         step.attn.max_seq_len = max(step.attn.seq_lens_cpu)
-        with forward_context(ForwardContext(attn=step.attn, lora=step.lora)):
+        with forward_context(ForwardContext(attn=step.attn, lora=step.lora, router_lora=router_lora)):
             return self.model(step.input_ids, step.positions)
 
 

@@ -181,6 +181,45 @@ def test_mixed_batch_with_and_without_expert_adapters(moe_dir, expert_adapters, 
             assert x.outputs[0].token_ids == y.outputs[0].token_ids
 
 
+def test_router_lora_runs_only_for_adapters_that_adapt_a_router(moe_dir, expert_adapters, tmp_path):
+    """Steps whose adapters leave the routers alone skip the routers' LoRA (their slots
+    are zero there); a step with one router-adapting token runs it for the whole batch.
+    Outputs match the oracle either way (test_mixed_batch_... checks the mixes)."""
+    attn = make_peft_adapter(moe_dir, tmp_path / "attn", seed=3, r=4, lora_alpha=8, target_modules=["v_proj"])
+    fused = LoRARequest("fused", 1, str(expert_adapters["fused"]))  # adapts the routers ("gate")
+    plain = LoRARequest("attn", 2, str(attn))
+    # One slot: each load replaces the last adapter. Eager steps (on a GPU too), so that
+    # every forward's choice is seen.
+    llm = make_llm(moe_dir, max_loras=1, cudagraph_mode="NONE")
+    runner = llm.engine.runner
+    routers = [m for m in runner.model.modules() if getattr(m, "is_router", False)]
+    assert routers and all(r.lora is not None for r in routers)
+    runs = []
+
+    def count(router):
+        inner = router.lora_batch
+
+        def counted():
+            batch = inner()
+            if batch is not None:  # the router's LoRA runs in this forward
+                runs.append(router)
+            return batch
+        return counted
+
+    for r in routers:
+        r.lora_batch = count(r)
+    prompt = random_prompts(1, (6, 7), seed=21)
+    out = llm.generate(prompt, SP, plain)
+    assert runs == [] and runner.lora_slots.router_slots == set()
+    _assert_close(_prompt_lps(out[0], prompt[0]), HFOracle(moe_dir, attn).prompt_logprobs(prompt[0]))
+    llm.generate(prompt, SP, fused)
+    assert len(runs) >= len(routers) and runner.lora_slots.router_slots == {0}
+    runs.clear()
+    out = llm.generate(prompt, SP, plain)  # the slot is reloaded: its router weights zeroed
+    assert runs == [] and runner.lora_slots.router_slots == set()
+    _assert_close(_prompt_lps(out[0], prompt[0]), HFOracle(moe_dir, attn).prompt_logprobs(prompt[0]))
+
+
 def _write_adapter(path, config, tensors):
     path.mkdir()
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))

@@ -50,6 +50,8 @@ class LoRASlotBuffers:
         self.layers = list(self._layer_by_id.values())
         self.max_loras = max_loras
         self.dora_slots: set[int] = set()  # slots holding a DoRA adapter
+        self.router_slots: set[int] = set()  # slots whose adapter adapts an MoE router
+        self.has_routers = any(layer.is_router for layer in self.layers)
         # Per slot: (layer id, slice) or (experts path, 0 gate_up / 1 down) -> rank of the
         # columns last written there.
         self._written: list[dict[tuple, int]] = [{} for _ in range(max_loras)]
@@ -128,6 +130,10 @@ class LoRASlotBuffers:
                 layer.lora.b[slot, layer.slice_rows(i), r:old_r].zero_()
         self._written[slot] = written
         self.ranks[slot] = adapter.rank
+        if any(self.projections[m].layer.is_router for m in adapter.modules):
+            self.router_slots.add(slot)
+        else:
+            self.router_slots.discard(slot)
         if slot in self.dora_slots:
             for layer in self.layers:
                 if layer.lora.dora_scale is not None:

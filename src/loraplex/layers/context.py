@@ -23,6 +23,9 @@ class ForwardContext:
     # Decode steps, when measured: MoE layers add (distinct experts hit, 1) into this
     # device tensor [2], without a host sync (benchmarks report the mean per layer).
     moe_stats: torch.Tensor | None = None
+    # Whether MoE routers run their LoRA: False in steps where no token's adapter adapts
+    # a router (their slots hold zeros there), which then skip two launches per layer.
+    router_lora: bool = True
 
 
 _current: ForwardContext | None = None

@@ -60,6 +60,9 @@ class LoRALinear(nn.Module):
             torch.empty(sum(output_sizes), in_features, device=weight_device()), False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes)), False) if bias else None
         self.lora: LoRAWeights | None = None  # None: this engine serves no adapters
+        # An MoE router: adapters seldom adapt it, so steps whose adapters do not skip its
+        # LoRA (ForwardContext.router_lora; the runner keeps graphs of both kinds).
+        self.is_router = False
         # Tensor parallel: which part of the full layer this rank holds (sizes above are
         # the rank's own); a row-parallel layer all-reduces its output.
         self.tp: LinearShard | None = None
@@ -72,8 +75,11 @@ class LoRALinear(nn.Module):
         """This step's adapter batch, or None when no adapter applies to this layer now."""
         if self.lora is None:
             return None
-        lora = get_forward_context().lora
-        return lora if lora is not None and lora.active else None
+        ctx = get_forward_context()
+        lora = ctx.lora
+        if lora is None or not lora.active or (self.is_router and not ctx.router_lora):
+            return None
+        return lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.lora_batch()

@@ -61,7 +61,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         # The router is named as in the checkpoint (Qwen3-MoE, Mixtral: `gate`).
         self.router_name = router_name
-        setattr(self, router_name, LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias))
+        router = LoRALinear(cfg.hidden_size, [cfg.num_experts], [router_name], bias=bias)
+        router.is_router = True
+        setattr(self, router_name, router)
         self.experts = Experts(cfg, bias=bias)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.routed_scale = cfg.routed_scaling_factor  # DeepSeek: the routed weights times this

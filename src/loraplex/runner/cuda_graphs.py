@@ -7,9 +7,11 @@ step waits for, however busy its other threads are (adapter loads). Decode graph
 captured per padded batch size; short-chunk graphs per padded token count, with one
 sequence per token at most (their attention takes the decode kernels, a sequence's tokens
 in one tile: ops/triton/paged_decode.py); mixed graphs per padded token count, each
-holding every sequence a step may have. Every graph exists with and without the LoRA kernels (steps
-with no adapter skip them). All inputs live in the runner's static buffers, including the
-adapter slots and token groups, and every kernel finds its work from device tensors
+holding every sequence a step may have. Every graph exists with and without the LoRA
+kernels (steps with no adapter skip them); decode graphs of a model with MoE routers
+also exist with adapters but without the routers' LoRA, for steps whose adapters do not
+adapt a router. All inputs live in the runner's static buffers, including the adapter
+slots and token groups, and every kernel finds its work from device tensors
 (ops.triton.segment_tiles), so one graph serves any mix of chunk lengths, adapters and
 base requests. Steps past the largest mixed graph run eagerly: at that size the device
 time dwarfs the host's.
@@ -53,10 +55,12 @@ def mixed_graph_sizes(max_tokens: int) -> list[int]:
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, inputs: InputBuffers, max_batch: int,
                  max_tokens: int | None, with_lora: bool, aux_stream: torch.cuda.Stream | None = None,
-                 moe_stats: torch.Tensor | None = None, short_chunks: tuple[int, int] | None = None):
+                 moe_stats: torch.Tensor | None = None, short_chunks: tuple[int, int] | None = None,
+                 router_variants: bool = False):
         """max_tokens: the largest mixed step to capture; None: decode graphs only.
         short_chunks: (most tokens a chunk, most tokens a step) of the short-chunk graphs
-        to capture (speculative verification), or None."""
+        to capture (speculative verification), or None. router_variants: decode graphs
+        with adapters come in two kinds, with and without the MoE routers' LoRA."""
         self.model = model
         self.moe_stats = moe_stats
         self.aux_stream = aux_stream
@@ -66,7 +70,9 @@ class StepGraphs:
         self.short_sizes = [s for s in graph_batch_sizes(max_short) if s > 1] if short_chunks else []
         self.mixed_sizes = mixed_graph_sizes(max_tokens) if max_tokens else []
         self.lora_variants = (False, True) if with_lora else (False,)
-        self._graphs: dict[tuple[GraphShape, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.router_variants = with_lora and router_variants
+        # (shape, with adapters, with the routers' LoRA) -> (graph, its hidden states)
+        self._graphs: dict[tuple[GraphShape, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -89,20 +95,23 @@ class StepGraphs:
         shapes += [GraphShape(t, self.inputs.mixed_graph_seqs, None) for t in self.mixed_sizes]
         # Largest first: smaller graphs reuse its memory.
         for shape in sorted(shapes, key=lambda g: g.tokens, reverse=True):
-            for lora in self.lora_variants:
+            variants = [(lora, True) for lora in self.lora_variants]
+            if self.router_variants and shape.decode:
+                variants.append((True, False))
+            for lora, router in variants:
                 step = self.inputs.graph_inputs(shape, lora)
                 # The LoRA shrink beside the base GEMM on the side stream pays in decode
                 # (skinny GEMMs leave the GPU idle); in larger steps it gained nothing.
                 ctx = ForwardContext(attn=step.attn, lora=step.lora,
                                      aux_stream=self.aux_stream if shape.short else None,
-                                     moe_stats=self.moe_stats if shape.decode else None)
+                                     moe_stats=self.moe_stats if shape.decode else None, router_lora=router)
                 with forward_context(ctx):
                     self.model(step.input_ids, step.positions)  # compile kernels, warm up
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
                         hidden = self.model(step.input_ids, step.positions)
-                self._graphs[(shape, lora)] = (graph, hidden)
+                self._graphs[(shape, lora, router)] = (graph, hidden)
         torch.cuda.synchronize()
         short = (f"; chunks of up to {self.short_query_len} tokens in steps of up to {self.short_sizes[-1]}"
                  if self.short_sizes else "")
@@ -129,9 +138,12 @@ class StepGraphs:
             return GraphShape(self.mixed_sizes[i], self.inputs.mixed_graph_seqs, None)
         return None
 
-    def replay(self, shape: GraphShape, with_lora: bool) -> torch.Tensor:
+    def replay(self, shape: GraphShape, with_lora: bool, router_lora: bool = True) -> torch.Tensor:
         """Run the graph of `shape` on the inputs in the buffers it reads (filled by
-        InputBuffers.prepare with graph=shape); returns its hidden states."""
-        graph, hidden = self._graphs[(shape, with_lora)]
+        InputBuffers.prepare with graph=shape); returns its hidden states. router_lora
+        False: a graph without the routers' LoRA where there is one (the routers' slots of
+        this step's adapters are zero, so either graph gives the same result)."""
+        key = (shape, with_lora, router_lora)
+        graph, hidden = self._graphs.get(key) or self._graphs[(shape, with_lora, True)]
         graph.replay()
         return hidden

@@ -141,6 +141,7 @@ class ModelRunner:
             self.graphs = StepGraphs(
                 self.model, self.inputs, graph_batch, mixed, self.lora_slots is not None,
                 self.aux_stream, self.moe_stats, short_chunks,
+                router_variants=self.lora_slots is not None and self.lora_slots.has_routers,
             )
             with ops.using_backend(config.ops_backend):
                 self.graphs.capture()
@@ -369,15 +370,18 @@ class ModelRunner:
                 inputs.attn.max_seq_len = max(inputs.attn.seq_lens_cpu)
         elif inputs.feed is not None:  # tokens the step in flight samples, from its device output
             inputs.input_ids[inputs.feed[0]] = self._last_token_ids[inputs.feed[1]]
+        # MoE routers run their LoRA only in steps whose adapters adapt one.
+        router_lora = self.lora_slots is not None and any(
+            c.lora_slot in self.lora_slots.router_slots for c in plan.chunks)
         if graph is not None:
-            hidden = self.graphs.replay(graph, inputs.lora is not None)
+            hidden = self.graphs.replay(graph, inputs.lora is not None, router_lora)
         else:
             decode = inputs.attn.max_query_len == 1
             # No side stream for the LoRA shrink here: an eager step waits on its host, and
             # each hop between streams costs ~16 us of it (128 per Llama-8B step); on the
             # device the shrink beside the GEMM gained nothing (benchmarks/profile_prefill.py).
             ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, aux_stream=None,
-                                 moe_stats=self.moe_stats if decode else None)
+                                 moe_stats=self.moe_stats if decode else None, router_lora=router_lora)
             with forward_context(ctx):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
