@@ -338,6 +338,65 @@ def test_int4_kernel_split_k(split_k, dtype):
         _kernel_check(t, 40, k, 32, dtype, bias, cfg, seed=split_k)
 
 
+def _lora_operands(t, k, sizes, max_rank, slots, ranks, dtype, seed):
+    """A, B of `len(ranks)` slots (zero past each slot's rank, as slots keep them) and the
+    batch of tokens in `slots` (-1: no adapter)."""
+    from loraplex.ops.metadata import make_lora_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(len(sizes), len(ranks), max_rank, k, generator=gen) * 0.1
+    b = torch.randn(len(ranks), sum(sizes), max_rank, generator=gen) * 0.1
+    for s, r in enumerate(ranks):
+        a[:, s, r:] = 0
+        b[s, :, r:] = 0
+    batch = make_lora_batch(slots, ranks, len(ranks), DEVICE)
+    return a.to(dtype).to(DEVICE), b.to(dtype).to(DEVICE), batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_split_k_sum_adds_the_lora_expand(dtype):
+    """ops.lora_linear's fused form on an int4 weight: the expand inside the split-K sum,
+    three slices off the sum's blocks, tokens of three slots (ranks 4, 2 and an empty
+    slot) and none, against the reference (shrink, expand after the base matmul)."""
+    from loraplex.ops.reference.lora import lora_linear, lora_shrink
+    from loraplex.ops.reference.quant import linear
+    from loraplex.ops.triton.int4_gemm import FusedExpand, int4_linear
+
+    sizes, k, t = (24, 300, 8), 96, 5
+    w = _random_int4(sum(sizes), k, 32, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(t, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(sum(sizes), generator=gen).to(dtype).to(DEVICE)
+    a, b, batch = _lora_operands(t, k, sizes, 8, [1, -1, 0, 2, 1], [4, 2, 0], dtype, seed=5)
+    buf = lora_shrink(x, a, batch)
+    joined = []
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, SPLIT_K=2)
+    got = int4_linear(x, w, bias, cfg, lora=FusedExpand(buf, b, sizes, batch, lambda: joined.append(1)))
+    want = lora_linear(x, w, bias, a, b, sizes, batch)
+    assert joined == [1]
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-3, rtol=1.6e-2)
+    torch.testing.assert_close(got, want, **tol)
+    base = linear(x, w, bias)
+    delta = (want.float() - base.float()).abs().amax(dim=1)
+    assert (delta > 1e-2).tolist() == [True, False, True, False, True]  # no adapter; an empty slot
+
+
+def test_lora_linear_on_the_triton_backend():
+    """ops.lora_linear through the Triton backend (shrink, base matmul, expand; on a CPU
+    the int4 weight takes the unfused form) against the reference, bf16 and int4 bases."""
+    from loraplex import ops
+    from loraplex.ops.reference.lora import lora_linear
+
+    sizes, k, t = (64, 32), 128, 3
+    a, b, batch = _lora_operands(t, k, sizes, 4, [0, -1, 1], [4, 3], torch.float32, seed=9)
+    x = torch.randn(t, k, device=DEVICE)
+    int4 = _random_int4(sum(sizes), k, 128, torch.float32, 2)
+    for w in (torch.randn(sum(sizes), k, device=DEVICE) * 0.05, int4):
+        with ops.using_backend("triton"):
+            got = ops.lora_linear(x, w, None, a, b, sizes, batch)
+        torch.testing.assert_close(got, lora_linear(x, w, None, a, b, sizes, batch), atol=1e-4, rtol=1e-4)
+
+
 def test_int4_kernel_at_llama_group_size_and_through_ops():
     """Group 128 over a Llama-sized K (4096) for one decode token, through ops.linear on
     the triton backend, and a token batch with leading dims."""

@@ -86,8 +86,8 @@ class LoRALinear(nn.Module):
         if batch is None:
             y = ops.linear(x, self.weight, self.bias)
         else:
-            y, buf = self.base_and_shrink(x)
-            ops.lora_expand(buf, self.lora.b, y, self.output_sizes, batch)
+            y = ops.lora_linear(x, self.weight, self.bias, self.lora.a, self.lora.b, self.output_sizes, batch,
+                                get_forward_context().aux_stream)
             if batch.dora and self.lora.dora_scale is not None:
                 y = self._dora_rescale(y, batch.token_slot)
         if self.tp is not None and self.tp.reduces and not reduce_deferred():
@@ -95,8 +95,8 @@ class LoRALinear(nn.Module):
         return y
 
     def base_and_shrink(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x W^T + bias, lora_shrink's buf of x) for a step with adapters; the caller adds
-        the delta (lora_expand, or a consumer op that takes buf)."""
+        """(x W^T + bias, lora_shrink's buf of x) for a step with adapters, for a consumer
+        op that adds the delta itself (lora_act_and_mul)."""
         ctx = get_forward_context()
         if ctx.aux_stream is None:
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)

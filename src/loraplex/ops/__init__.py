@@ -108,6 +108,24 @@ def lora_expand(
     _impl.lora_expand(buf, lora_b, y, slice_sizes, batch)
 
 
+def lora_linear(
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    batch: LoRABatch,
+    side_stream: torch.cuda.Stream | None = None,
+) -> torch.Tensor:
+    """Semantics: linear(x, weight, bias) plus each token's adapter delta,
+    lora_expand(lora_shrink(x, lora_a, batch), lora_b, .., slice_sizes, batch): an adapted
+    projection's whole step, so a backend may fuse the delta into the base matmul.
+    side_stream (CUDA, optional): a stream the shrink may run on beside the base matmul
+    (it must not be in use elsewhere during the call). x [T, K] -> [T, N] in x's dtype."""
+    return _impl.lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream)
+
+
 def lora_act_and_mul(
     gate_up: torch.Tensor,
     buf: torch.Tensor,

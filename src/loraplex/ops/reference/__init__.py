@@ -12,7 +12,7 @@ from loraplex.ops.reference.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_shrink
+from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_linear, lora_shrink
 from loraplex.ops.reference.mla import mla_attention, write_latent_cache
 from loraplex.ops.reference.moe import fused_experts, route_experts, route_experts_grouped
 from loraplex.ops.reference.quant import dequantize, quantize
@@ -42,6 +42,7 @@ __all__ = [
     "grouped_lora_add",
     "lora_act_and_mul",
     "lora_expand",
+    "lora_linear",
     "lora_shrink",
     "paged_attention",
     "race_sample",

@@ -1,12 +1,15 @@
-"""Plain-torch LoRA shrink and expand (and the expand fused with the gated activation):
-the CPU path and the oracle of the kernels."""
+"""Plain-torch LoRA shrink and expand (and the expand fused with the gated activation, and
+a whole adapted projection): the CPU path and the oracle of the kernels."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.reference.elementwise import gelu_tanh_and_mul, silu_and_mul
+from loraplex.ops.reference.quant import linear as quant_linear
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -49,3 +52,9 @@ def lora_act_and_mul(
     width = y.shape[1] // 2
     lora_expand(buf, lora_b, y, (width, width), batch)
     return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None) -> torch.Tensor:
+    y = quant_linear(x, weight, bias) if isinstance(weight, QuantizedWeight) else F.linear(x, weight, bias)
+    lora_expand(lora_shrink(x, lora_a, batch), lora_b, y, slice_sizes, batch)
+    return y

@@ -5,6 +5,7 @@ Runs on CUDA GPUs, and on CPU tensors under TRITON_INTERPRET=1 (tests).
 """
 
 import torch
+import torch.nn.functional as F
 
 from loraplex.ops import reference
 from loraplex.ops.formats import Fp8Weight, Int4Weight, QuantizedWeight
@@ -15,7 +16,7 @@ from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.greedy_accept import greedy_accept
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
-from loraplex.ops.triton.int4_gemm import int4_dequantize, int4_linear
+from loraplex.ops.triton.int4_gemm import FusedExpand, int4_dequantize, int4_fuses_expand, int4_linear
 from loraplex.ops.triton.kv_cache import write_kv_cache, write_latent_cache
 from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
 from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
@@ -83,6 +84,32 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None)
     return reference.quant_linear(x, w, bias)
 
 
+def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None):
+    """The shrink first (beside the base matmul on side_stream: it reads only x), then the
+    base matmul and the expand: in one kernel where the base matmul ends in a kernel of
+    its own (int4 decode steps: the split-K sum), else lora_expand on its output."""
+    if side_stream is not None:
+        main = torch.cuda.current_stream()
+        # The side stream starts by waiting on this one, so memory it frees is never
+        # reused early.
+        side_stream.wait_stream(main)
+        with torch.cuda.stream(side_stream):
+            buf = lora_shrink(x, lora_a, batch)
+    else:
+        buf = lora_shrink(x, lora_a, batch)
+
+    def joined():
+        if side_stream is not None:
+            main.wait_stream(side_stream)
+
+    if isinstance(weight, Int4Weight) and int4_fuses_expand(x, weight):
+        return int4_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))
+    y = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else quant_linear(x, weight, bias)
+    joined()
+    lora_expand(buf, lora_b, y, slice_sizes, batch)
+    return y
+
+
 def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
     """The GEMV kernels' split-K (and a stride or two) follow the token count, so each
     count up to GEMV_MAX_TOKENS may be its own compiled variant: run them all once, with
@@ -110,6 +137,7 @@ __all__ = [
     "grouped_lora_add",
     "lora_act_and_mul",
     "lora_expand",
+    "lora_linear",
     "lora_shrink",
     "paged_attention",
     "race_sample",

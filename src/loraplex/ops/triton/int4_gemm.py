@@ -28,6 +28,9 @@ Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
   partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's bytes.
 - prefill: 64 / 128-row tensor-core tiles in grouped order (GROUP_M row blocks sweep the
   column blocks together, so a W tile is reused from L2), no split.
+An adapted projection's LoRA expand (ops.lora_linear) joins the split-K sum where there
+is one: each token's delta buf[slice(n), t, :r] @ B[slot(t), n, :r] is added before the
+one rounding, which saves the expand's launch and its pass over the output (decode).
 The grid and every constexpr follow the shapes (and the SM count) alone: CUDA graphs
 replay the launches. Configs are untuned guesses (no GPU measured them yet).
 """
@@ -36,12 +39,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Int4Weight
+from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.lora_common import rank_ceil, slice_starts
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import even_odd, int4_bf16_pairs
 
@@ -58,6 +65,7 @@ DEFAULT_CONFIGS = (
 PROGRAMS_PER_SM = 4
 MAX_SPLIT_K = 16
 SUM_BLOCK_N = 1024  # columns per program of the split-K sum
+SUM_LORA_BLOCK_N = 256  # ... and with the LoRA expand in it ([BLOCK_N, rank] tiles of B)
 # Prefill: from this many tokens, W dequantized into a scratch tensor (4 bytes a weight
 # written and read) and cuBLAS's bf16 GEMM beat the W4A16 kernel's tensor-core tiles.
 # Llama-3.1-8B's qkv + gate_up + down, H100 (us): 128 tokens ~366 against 473, 2048
@@ -212,8 +220,12 @@ def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn
 
 @triton.jit(do_not_specialize=["M"])
 def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
-                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[m] = sum over the splits of part[s, m] (in split order) + bias, rounded once."""
+                        buf_ptr, lora_b_ptr, token_slot_ptr, slot_ranks_ptr, starts_ptr,
+                        stride_fs, stride_fm, stride_bl, stride_bn,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """out[m] = sum over the splits of part[s, m] (in split order) + bias (+ the token's
+    LoRA delta: buf [S, M, R] float32 of the shrink, B [L, N, R]), rounded once."""
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = n < N
@@ -222,6 +234,20 @@ def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm,
         acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LORA:
+        slot = tl.load(token_slot_ptr + m)
+        if slot >= 0:
+            rank = tl.load(slot_ranks_ptr + slot)
+            r = tl.arange(0, BLOCK_R)
+            sl = tl.zeros((BLOCK_N,), dtype=tl.int32)  # each column's slice
+            for i in tl.static_range(1, NUM_SLICES):
+                sl += (n >= tl.load(starts_ptr + i)).to(tl.int32)
+            v = tl.load(buf_ptr + sl[:, None] * stride_fs + m * stride_fm + r[None, :],
+                        mask=mask[:, None] & (r < rank)[None, :], other=0.0)
+            # B past the rank is zero in every slot: read to the rank rounded to 8.
+            w = tl.load(lora_b_ptr + slot.to(tl.int64) * stride_bl + n[:, None] * stride_bn + r[None, :],
+                        mask=mask[:, None] & (r < rank_ceil(rank))[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * v, axis=1)
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -307,11 +333,31 @@ def int4_dequantize(w: Int4Weight) -> torch.Tensor:
     return out
 
 
+@dataclass
+class FusedExpand:
+    """A LoRA expand for int4_linear's split-K sum to add: lora_expand's operands, and
+    `ready`, called before the first kernel that reads buf (the shrink's stream joined)."""
+
+    buf: torch.Tensor  # [S, T, R] float32
+    lora_b: torch.Tensor  # [L, N, R]
+    slice_sizes: tuple[int, ...]
+    batch: LoRABatch
+    ready: Callable[[], None]
+
+
+def int4_fuses_expand(x: torch.Tensor, w: Int4Weight) -> bool:
+    """Whether int4_linear of x can take a FusedExpand: its default config splits K."""
+    m, (n, k) = x.numel() // x.shape[-1], w.shape
+    return (x.is_cuda and 0 < m < DEQUANTIZE_MIN_TOKENS
+            and int4_config(m, n, k, w.group, x.device)["SPLIT_K"] > 1)
+
+
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, config: dict | None = None,
-                ) -> torch.Tensor:
+                lora: FusedExpand | None = None) -> torch.Tensor:
     """x [..., K] @ dequantize(w).T + bias -> [..., N] in x's dtype. `config` (tests)
     replaces int4_config's. Steps of DEQUANTIZE_MIN_TOKENS tokens or more on a GPU
-    dequantize W into a scratch tensor and run the dense GEMM (cuBLAS)."""
+    dequantize W into a scratch tensor and run the dense GEMM (cuBLAS). `lora`: its
+    expand added in the split-K sum (the config must split K: int4_fuses_expand)."""
     n, k = w.shape
     assert w.data.dim() == 2 and x.shape[-1] == k, (x.shape, w.shape)
     assert w.data.stride(1) == 1 and w.scale.stride() == w.zero.stride(), (w.scale.stride(), w.zero.stride())
@@ -320,7 +366,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if config is None and m >= DEQUANTIZE_MIN_TOKENS and x.is_cuda:
+    if config is None and m >= DEQUANTIZE_MIN_TOKENS and x.is_cuda and lora is None:
         out = torch.nn.functional.linear(x2, int4_dequantize(w).to(x.dtype), bias)
         return out.view(*lead, n)
     bias = bias.contiguous() if bias is not None else None
@@ -333,6 +379,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
     if bf16x2 is None:
         bf16x2 = bf16x2_decode(x, w, cfg["BLOCK_K"])
     split_k = cfg.pop("SPLIT_K", 1)
+    assert lora is None or split_k > 1, "a fused LoRA expand needs the split-K sum"
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 3)
     dest = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split_k)
@@ -346,9 +393,23 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
         **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, num_warps=num_warps, num_stages=num_stages,
     )
     if split_k > 1:
-        _split_k_sum_kernel[(m, triton.cdiv(n, SUM_BLOCK_N))](
+        block_n = SUM_BLOCK_N if lora is None else SUM_LORA_BLOCK_N
+        if lora is not None:
+            buf, lora_b = lora.buf, lora.lora_b
+            assert buf.shape[:2] == (len(lora.slice_sizes), m), (buf.shape, m)
+            assert lora_b.shape[1] == n == sum(lora.slice_sizes), (lora_b.shape, lora.slice_sizes)
+            assert buf.stride(2) == 1 and lora_b.stride(2) == 1
+            lora.ready()
+            lora_args = (buf, lora_b, lora.batch.token_slot, lora.batch.slot_ranks,
+                         slice_starts(lora.slice_sizes, x.device), buf.stride(0), buf.stride(1),
+                         lora_b.stride(0), lora_b.stride(1))
+        else:
+            lora_args = (dest,) * 5 + (0,) * 4
+        _split_k_sum_kernel[(m, triton.cdiv(n, block_n))](
             dest, bias if bias is not None else dest, out, m, n,
-            dest.stride(0), dest.stride(1), out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=SUM_BLOCK_N,
+            dest.stride(0), dest.stride(1), out.stride(0), *lora_args,
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, HAS_LORA=lora is not None,
+            NUM_SLICES=len(lora.slice_sizes) if lora is not None else 1,
+            BLOCK_R=triton.next_power_of_2(lora.buf.shape[2]) if lora is not None else 1,
         )
     return out.view(*lead, n)
