@@ -360,7 +360,8 @@ def test_int4_split_k_sum_adds_the_lora_expand(dtype):
     slot) and none, against the reference (shrink, expand after the base matmul)."""
     from loraplex.ops.reference.lora import lora_linear, lora_shrink
     from loraplex.ops.reference.quant import linear
-    from loraplex.ops.triton.int4_gemm import FusedExpand, int4_linear
+    from loraplex.ops.triton.int4_gemm import int4_linear
+    from loraplex.ops.triton.split_k_sum import FusedExpand
 
     sizes, k, t = (24, 300, 8), 96, 5
     w = _random_int4(sum(sizes), k, 32, dtype, seed=3)

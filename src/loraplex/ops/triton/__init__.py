@@ -16,7 +16,7 @@ from loraplex.ops.triton.fp8_gemm import fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.greedy_accept import greedy_accept
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
-from loraplex.ops.triton.int4_gemm import FusedExpand, int4_dequantize, int4_fuses_expand, int4_linear
+from loraplex.ops.triton.int4_gemm import int4_dequantize, int4_fuses_expand, int4_linear
 from loraplex.ops.triton.kv_cache import write_kv_cache, write_latent_cache
 from loraplex.ops.triton.lora_act_gemv import lora_act_gemv
 from loraplex.ops.triton.lora_act_sgmv import lora_act_sgmv
@@ -36,6 +36,7 @@ from loraplex.ops.triton.rope_train import rope_train, rope_train_backward
 from loraplex.ops.triton.rotary import rotary_embedding
 from loraplex.ops.triton.sample import race_sample
 from loraplex.ops.triton.silu_mul_weighted import silu_mul_weighted, silu_mul_weighted_backward
+from loraplex.ops.triton.split_k_sum import FusedExpand
 from loraplex.ops.triton.token_sum import sum_rows_by_token
 
 route_experts_grouped = reference.route_experts_grouped  # a few torch ops, no host sync (graph safe)

@@ -24,13 +24,11 @@ Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
   rows) and split-K. The step is bound by reading W (4.25 bits a weight: 4, and a bf16
   scale and zero per 128), so the grid is widened along K until every SM streams several
   tiles; each split writes float32 partial sums and a second small kernel adds them (in
-  a fixed order: no atomics), the bias, and rounds once. The split is capped so the
+  a fixed order: no atomics), the bias, and rounds once (split_k_sum.py; an adapted
+  projection's LoRA expand joins it there, ops.lora_linear). The split is capped so the
   partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's bytes.
 - prefill: 64 / 128-row tensor-core tiles in grouped order (GROUP_M row blocks sweep the
   column blocks together, so a W tile is reused from L2), no split.
-An adapted projection's LoRA expand (ops.lora_linear) joins the split-K sum where there
-is one: each token's delta buf[slice(n), t, :r] @ B[slot(t), n, :r] is added before the
-one rounding, which saves the expand's launch and its pass over the output (decode).
 The grid and every constexpr follow the shapes (and the SM count) alone: CUDA graphs
 replay the launches. Configs are untuned guesses (no GPU measured them yet).
 """
@@ -39,18 +37,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Int4Weight
-from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.triton.lora_common import rank_ceil, slice_starts
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import even_odd, int4_bf16_pairs
+from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
 
 # Untuned defaults by token count (H100/H200 guesses: no tuning file yet).
 DEFAULT_CONFIGS = (
@@ -64,8 +59,6 @@ DEFAULT_CONFIGS = (
 # bytes in flight to fill an SM's share of memory bandwidth).
 PROGRAMS_PER_SM = 4
 MAX_SPLIT_K = 16
-SUM_BLOCK_N = 1024  # columns per program of the split-K sum
-SUM_LORA_BLOCK_N = 256  # ... and with the LoRA expand in it ([BLOCK_N, rank] tiles of B)
 # Prefill: from this many tokens, W dequantized into a scratch tensor (4 bytes a weight
 # written and read) and cuBLAS's bf16 GEMM beat the W4A16 kernel's tensor-core tiles.
 # Llama-3.1-8B's qkv + gate_up + down, H100 (us): 128 tokens ~366 against 473, 2048
@@ -218,39 +211,6 @@ def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn
              mask=n_mask[:, None] & (k[None, :] < K))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
-                        buf_ptr, lora_b_ptr, token_slot_ptr, slot_ranks_ptr, starts_ptr,
-                        stride_fs, stride_fm, stride_bl, stride_bn,
-                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """out[m] = sum over the splits of part[s, m] (in split order) + bias (+ the token's
-    LoRA delta: buf [S, M, R] float32 of the shrink, B [L, N, R]), rounded once."""
-    m = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    if HAS_LORA:
-        slot = tl.load(token_slot_ptr + m)
-        if slot >= 0:
-            rank = tl.load(slot_ranks_ptr + slot)
-            r = tl.arange(0, BLOCK_R)
-            sl = tl.zeros((BLOCK_N,), dtype=tl.int32)  # each column's slice
-            for i in tl.static_range(1, NUM_SLICES):
-                sl += (n >= tl.load(starts_ptr + i)).to(tl.int32)
-            v = tl.load(buf_ptr + sl[:, None] * stride_fs + m * stride_fm + r[None, :],
-                        mask=mask[:, None] & (r < rank)[None, :], other=0.0)
-            # B past the rank is zero in every slot: read to the rank rounded to 8.
-            w = tl.load(lora_b_ptr + slot.to(tl.int64) * stride_bl + n[:, None] * stride_bn + r[None, :],
-                        mask=mask[:, None] & (r < rank_ceil(rank))[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * v, axis=1)
-    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def int4_config(num_tokens: int, n: int, k: int, group: int, device: torch.device) -> dict:
     """The launch config of [num_tokens, k] x [n, k]: the default table's row, its BLOCK_K
     fitted to the group size, and the split of K."""
@@ -333,18 +293,6 @@ def int4_dequantize(w: Int4Weight) -> torch.Tensor:
     return out
 
 
-@dataclass
-class FusedExpand:
-    """A LoRA expand for int4_linear's split-K sum to add: lora_expand's operands, and
-    `ready`, called before the first kernel that reads buf (the shrink's stream joined)."""
-
-    buf: torch.Tensor  # [S, T, R] float32
-    lora_b: torch.Tensor  # [L, N, R]
-    slice_sizes: tuple[int, ...]
-    batch: LoRABatch
-    ready: Callable[[], None]
-
-
 def int4_fuses_expand(x: torch.Tensor, w: Int4Weight) -> bool:
     """Whether int4_linear of x can take a FusedExpand: its default config splits K."""
     m, (n, k) = x.numel() // x.shape[-1], w.shape
@@ -393,23 +341,5 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
         **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, num_warps=num_warps, num_stages=num_stages,
     )
     if split_k > 1:
-        block_n = SUM_BLOCK_N if lora is None else SUM_LORA_BLOCK_N
-        if lora is not None:
-            buf, lora_b = lora.buf, lora.lora_b
-            assert buf.shape[:2] == (len(lora.slice_sizes), m), (buf.shape, m)
-            assert lora_b.shape[1] == n == sum(lora.slice_sizes), (lora_b.shape, lora.slice_sizes)
-            assert buf.stride(2) == 1 and lora_b.stride(2) == 1
-            lora.ready()
-            lora_args = (buf, lora_b, lora.batch.token_slot, lora.batch.slot_ranks,
-                         slice_starts(lora.slice_sizes, x.device), buf.stride(0), buf.stride(1),
-                         lora_b.stride(0), lora_b.stride(1))
-        else:
-            lora_args = (dest,) * 5 + (0,) * 4
-        _split_k_sum_kernel[(m, triton.cdiv(n, block_n))](
-            dest, bias if bias is not None else dest, out, m, n,
-            dest.stride(0), dest.stride(1), out.stride(0), *lora_args,
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, HAS_LORA=lora is not None,
-            NUM_SLICES=len(lora.slice_sizes) if lora is not None else 1,
-            BLOCK_R=triton.next_power_of_2(lora.buf.shape[2]) if lora is not None else 1,
-        )
+        split_k_sum(dest, bias, out, lora)
     return out.view(*lead, n)
