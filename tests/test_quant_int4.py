@@ -339,18 +339,15 @@ def test_int4_kernel_split_k(split_k, dtype):
 
 
 def _lora_operands(t, k, sizes, max_rank, slots, ranks, dtype, seed):
-    """A, B of `len(ranks)` slots (zero past each slot's rank, as slots keep them) and the
-    batch of tokens in `slots` (-1: no adapter)."""
-    from loraplex.ops.metadata import make_lora_batch
+    """A, B of `len(ranks)` slots (zero past each slot's rank, as slots keep them:
+    test_ops.slot_b) and the batch of tokens in `slots` (-1: no adapter)."""
+    from test_ops import lora_batch, slot_b
 
     gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(len(sizes), len(ranks), max_rank, k, generator=gen) * 0.1
-    b = torch.randn(len(ranks), sum(sizes), max_rank, generator=gen) * 0.1
-    for s, r in enumerate(ranks):
-        a[:, s, r:] = 0
-        b[s, :, r:] = 0
-    batch = make_lora_batch(slots, ranks, len(ranks), DEVICE)
-    return a.to(dtype).to(DEVICE), b.to(dtype).to(DEVICE), batch
+    a = slot_b(ranks, len(sizes) * k, max_rank, gen).unflatten(1, (len(sizes), k)).permute(1, 0, 3, 2)
+    b = slot_b(ranks, sum(sizes), max_rank, gen)
+    return ((a * 0.1).to(dtype).to(DEVICE).contiguous(), (b * 0.1).to(dtype).to(DEVICE),
+            lora_batch(slots, ranks, len(ranks)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
