@@ -465,7 +465,8 @@ def router_lora(runner) -> bool:
 def start_decode(engine, label: str, batch: int, prompt_len: int, loras: list, max_tokens: int,
                  warm_steps: int = 5, random_prompts: bool = False) -> None:
     """`batch` requests (request i on adapter i mod len(loras), none without loras),
-    stepped until every one decodes, then `warm_steps` more steps. Prompts repeat one
+    stepped until every one decodes (each adapter primed into a GPU slot first), then
+    `warm_steps` more steps; raises if fewer than `batch` decode. Prompts repeat one
     token (request i: 1000 + i), or with `random_prompts` are random tokens (seeded): an
     MoE model's routing then spreads as in serving, where repeated tokens narrow it."""
     import torch
@@ -474,6 +475,15 @@ def start_decode(engine, label: str, batch: int, prompt_len: int, loras: list, m
 
     sp = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
+    if loras:
+        # Adapters load in the background: cold ones (hundreds of MB each with expert
+        # weights) would keep their requests waiting while the first ones decode, and
+        # those could reach their length cap before the batch is whole. One token on each
+        # adapter first leaves them in GPU slots.
+        for i, lora in enumerate(loras):
+            engine.add_request(f"{label}-prime-{i}", [1000], SamplingParams(max_tokens=1), lora)
+        while engine.has_unfinished_requests():
+            engine.step()
     for i in range(batch):
         lora = loras[i % len(loras)] if loras else None
         prompt = (torch.randint(1000, 30000, (prompt_len,), generator=g).tolist() if random_prompts
@@ -483,6 +493,9 @@ def start_decode(engine, label: str, batch: int, prompt_len: int, loras: list, m
         engine.step()
     for _ in range(warm_steps):
         engine.step()
+    running = sum(1 for r in engine.scheduler.running if r.request_id.startswith(f"{label}-"))
+    if running != batch:  # a figure of a smaller batch than asked for would pass unnoticed
+        raise RuntimeError(f"{running} of {batch} requests decode: raise max_tokens or the KV cache")
 
 
 def abort_all(engine, drain: bool = False) -> None:
