@@ -5,7 +5,8 @@ TRITON_INTERPRET. Prints JSON: kernel -> counts.
 
 Shapes: gpt-oss-20b's MXFP4 experts (H = I = 2880, 32 experts, top-4, biases, clamped
 SwiGLU) and Qwen3-30B-A3B-FP8's (H 2048, I 768, 128 experts, top-8, 128-column scale
-blocks), with the configs the wrappers pick by default.
+blocks), with the configs the wrappers pick by default; the GEMV with adapters of rank
+16 (it expands their shrunk rows).
 """
 
 from __future__ import annotations
@@ -67,9 +68,12 @@ def kernels() -> dict:
             cfg = gemv_mod.GEMV_CONFIG
             block_k = next(b for b in (cfg["BLOCK_K"], 64, 32) if k % b == 0)
             for ptx in (False, True) if fmt == "mxfp4" else (False,):
+                rows = 2 * n if fuse else n  # adapters of rank 16: the GEMV expands shrunk rows
                 args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
                             BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0),
-                            PTX=const(ptx))
+                            PTX=const(ptx), lora_b_ptr="*bf16", stride_lbl=8 * rows * 16,
+                            stride_lbe=rows * 16, stride_lbn=16, R=const(16), BLOCK_R=const(16),
+                            LORA_EXPAND=const(True))
                 compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
                 out[f"gemv {name}" + (" ptx" if ptx else "")] = widths(compiled.asm["ptx"])
     return out

@@ -192,6 +192,17 @@ def test_fp8_experts(monkeypatch, t, e, k, h, i, act, bias, form, blocks, block_
                             block_k or h)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_gemv_form_with_whole_deltas_first(monkeypatch, fmt):
+    """The GEMV form's adapters with GEMV_EXPANDS_LORA off (the expert-LoRA kernel writes
+    whole delta rows, the GEMV adds them, as the grouped GEMM does) against the oracle;
+    test_fp8_experts / test_quant_mxfp4 cover it on (the GEMV expands the shrunk rows)."""
+    monkeypatch.setattr(fused_moe, "GEMV_EXPANDS_LORA", False)
+    act = "swiglu_oai" if fmt == "mxfp4" else "silu"
+    check_quantized_experts(monkeypatch, fmt, 3, 8, 2, 64, 32, act, fmt == "mxfp4", "gemv", "default", "gemv",
+                            torch.float32, 32 if fmt == "fp8" else 128)
+
+
 def test_int4_experts_are_dequantized_first():
     """Int4 experts (AWQ / GPTQ MoE checkpoints), which no expert kernel reads, still
     serve: dequantized on entry, as the reference does."""
@@ -326,7 +337,7 @@ def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
     copies, a K step masked at gpt-oss's 2880 too; it
     reads scales once per group and stores 16-byte vectors; only the bias (once per
     tile, in the wgmma accumulator's layout) may be read 2 bytes at a time. The GEMV
-    reads weight rows in 16-byte vectors."""
+    reads weight rows, and its adapters' B rows, in 16-byte vectors."""
     for rows in ("decode", "prefill") + (("decode ptx", "prefill ptx") if fmt == "mxfp4" else ()):
         c = sm90_counts[f"gemm {fmt} {gemm} {rows}"]
         assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
@@ -335,6 +346,7 @@ def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
     for name in (f"gemv {fmt} {gemm}",) + ((f"gemv {fmt} {gemm} ptx",) if fmt == "mxfp4" else ()):
         c = sm90_counts[name]
         assert c.get("ld.v4.b32", 0) >= 2 and c.get("ld.b8", 0) <= 2, (name, c)
+        assert c.get("ld.b16", 0) <= 4, (name, c)  # the bias, the activations: no B row 2 bytes at a time
 
 
 def test_fp8_block_moe_checkpoint_on_triton(tmp_path, monkeypatch):

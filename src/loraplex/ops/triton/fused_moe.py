@@ -8,6 +8,9 @@ the base path plus one adapter kernel per projection, and base + delta rounded o
 Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every (slot, expert)
 group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py); larger
 ones sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
+Where the experts take the GEMV form too, the adapter kernel stops at each pair's
+shrunk [R] row and the GEMV's programs expand it at their own columns: two short
+kernels in front of the GEMVs instead of two that also stream every B.
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored, never
@@ -41,6 +44,10 @@ from loraplex.ops.triton.quant_tiles import KERNEL_FORMATS
 # expert (a GEMV program rereads its expert's weights for each pair, from L2 after the
 # first).
 GEMV_PAIRS_PER_EXPERT = 1
+# In the GEMV form each program expands its pair's adapter delta at its own columns
+# (moe_gemv_quant.py), so the expert-LoRA kernel in front of each GEMV runs the shrink
+# alone. (A switch for benchmarks: False computes whole deltas first, as the GEMM form.)
+GEMV_EXPANDS_LORA = True
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
@@ -60,13 +67,21 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
     return "gemv" if gemv else "gemm"
 
 
-def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, **epilogue) -> None:
-    """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form."""
+def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **epilogue) -> None:
+    """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (which
+    alone takes lora_b: the delta given as shrunk rows)."""
     if align is None:
-        moe_gemv_quant(a, w, bias, out, topk_ids, row_div, **epilogue)
+        moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
     else:
+        assert lora_b is None
         gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm
         gemm(a, w, bias, out, align, cfg, row_div, **epilogue)
+
+
+def _delta_width(lora_b: torch.Tensor, expanded_by_gemv: torch.Tensor | None) -> int:
+    """Columns of an expert GEMM's delta rows: its output's, or the rank's where the GEMV
+    form expands them (B [L, E, N, R])."""
+    return lora_b.shape[3] if expanded_by_gemv is not None else lora_b.shape[2]
 
 
 def fused_experts(
@@ -106,12 +121,16 @@ def fused_experts(
         return None
 
     align_l = delta_gu = delta_d = None
+    b_gu = b_d = None  # the B the GEMV form expands with (GEMV_EXPANDS_LORA)
     if lora is not None:
         form, block_m = lora_form(t, top_k, dev)
+        if gemv and form == "gemv" and GEMV_EXPANDS_LORA:
+            b_gu, b_d = lora.b_gate_up, lora.b_down
 
         def adapter_delta(inp, a, b, row_div, which, delta):
             ranks = lora.ranks[which] if lora.ranks is not None else None
             if align_l is None:
+                b = None if b_gu is not None else b  # the shrink alone
                 moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
@@ -124,7 +143,7 @@ def fused_experts(
             adapter_delta(x, lora.a_gate_up, lora.b_gate_up, top_k, 0, delta_gu)
 
         # Deltas are allocated on the current stream, so the allocator orders their reuse there.
-        delta_gu = torch.empty(p, lora.b_gate_up.shape[2], dtype=torch.float32, device=dev)
+        delta_gu = torch.empty(p, _delta_width(lora.b_gate_up, b_gu), dtype=torch.float32, device=dev)
     if lora is not None and side_stream is not None:
         # The gate/up delta reads only x and the routing: it runs beside the expert
         # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
@@ -143,13 +162,13 @@ def fused_experts(
 
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
-                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k)
+                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k, lora_b=b_gu)
     if lora is not None:
-        delta_d = torch.empty(p, lora.b_down.shape[2], dtype=torch.float32, device=dev)
+        delta_d = torch.empty(p, _delta_width(lora.b_down, b_d), dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     _expert_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
-                 delta=delta_d, lora=lora, top_k=top_k)
+                 delta=delta_d, lora=lora, top_k=top_k, lora_b=b_d)
     y = y.view(t, top_k, hidden)
     return y.sum(1) if sum_topk else y
 

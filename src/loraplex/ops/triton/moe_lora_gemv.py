@@ -12,7 +12,8 @@ CUDA graph serves any routing and adapter mix. The shrunk [R] row stays in regis
 with N_SPLIT > 1 each program recomputes it (A again, from L2) and expands its share of
 B's rows, so that a step's few pairs still fill the GPU. Pairs of tokens without an
 adapter on these experts exit at once; their delta rows are never written (the grouped
-GEMM does not read them).
+GEMM does not read them). Without B (EXPAND off) each pair's shrunk [R] row is the
+output: the GEMV form of the expert GEMMs expands it (moe_gemv_quant.py).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _moe_lora_gemv_kernel(
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True,
 ):
     pair = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,6 +80,9 @@ def _moe_lora_gemv_kernel(
             a = tl.load(a_rows + k[None, :], mask=a_mask[:, None] & (k < K)[None, :], other=0.0)
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     shrunk = tl.sum(acc, axis=1)
+    if not EXPAND:  # the shrunk row itself, [R] at delta_ptr's row (the expand is the GEMV's)
+        tl.store(delta_ptr + pair.to(tl.int64) * stride_dm + r, shrunk, mask=r < R)
+        return
 
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + r[None, :]
     out_row = delta_ptr + pair.to(tl.int64) * stride_dm
@@ -95,24 +99,28 @@ def _moe_lora_gemv_kernel(
 
 def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.Tensor,
                   slot_mask: torch.Tensor | None, ranks: torch.Tensor | None,
-                  lora_a: torch.Tensor, lora_b: torch.Tensor, delta: torch.Tensor,
+                  lora_a: torch.Tensor, lora_b: torch.Tensor | None, delta: torch.Tensor,
                   row_div: int) -> None:
     """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for every pair whose
     token (pair // top_k) is in a slot s >= 0 with slot_mask[s] != 0; e = topk_ids.flat[pair].
     Other rows are left as they are. lora_a [L, E, R, K]; lora_b [L, E, N, R];
-    delta float32 [P, N]; ranks int32 [L] (A/B zero past them) or None."""
+    delta float32 [P, N]; ranks int32 [L] (A/B zero past them) or None. lora_b None: the
+    shrink alone, delta [P, R] = inp[pair // row_div] @ A[s, e].T (the GEMV form of the
+    expert GEMMs expands it in its epilogue: moe_gemv_quant.py)."""
     t, top_k = topk_ids.shape
     p = t * top_k
     _, _, rank, k = lora_a.shape
-    n = lora_b.shape[2]
+    n = lora_b.shape[2] if lora_b is not None else rank
     assert inp.shape[1] == k and delta.shape == (p, n) and delta.stride(1) == 1, (inp.shape, delta.shape)
-    assert lora_a.stride(3) == 1 and lora_b.stride(3) == 1 and inp.stride(1) == 1
+    assert lora_a.stride(3) == 1 and inp.stride(1) == 1 and (lora_b is None or lora_b.stride(3) == 1)
     if p == 0:
         return
     block_r = triton.next_power_of_2(rank)
     block_k = min(A_TILE // block_r, triton.next_power_of_2(k))
     block_n = min(B_TILE // block_r, triton.next_power_of_2(n))
-    n_split = min(splits_per_pair(p, inp.device), triton.cdiv(n, block_n))
+    expand = lora_b is not None
+    n_split = min(splits_per_pair(p, inp.device), triton.cdiv(n, block_n)) if expand else 1
+    lora_b = lora_b if expand else lora_a  # (not read without the expand)
     _moe_lora_gemv_kernel[(p, n_split)](
         inp, topk_ids.contiguous(), token_slot, slot_mask if slot_mask is not None else token_slot,
         ranks if ranks is not None else token_slot, lora_a, lora_b, delta,
@@ -121,7 +129,7 @@ def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.T
         TOP_K=top_k, ROW_DIV=row_div, R=rank, BLOCK_R=block_r,
         HAS_MASK=slot_mask is not None, HAS_RANKS=ranks is not None, N_SPLIT=n_split,
         BLOCK_K=block_k, BLOCK_N=block_n, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, EXPAND=expand, num_warps=NUM_WARPS,
     )
 
 
