@@ -113,3 +113,20 @@ def test_speculative_refuses_no_waves(capsys):
     with pytest.raises(SystemExit):
         speculative.main(["--waves", "0"])
     assert "--waves must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_profile_decode_layer_timeline():
+    """One decoder layer of the last profiled step, from its anchor kernel to the next,
+    with each kernel's stream (a side stream's work shows beside the main one's)."""
+    from benchmarks.profile_decode import layer_timeline
+
+    events, t = [{"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 1.0}], 0.0
+    for _ in range(2 * 4):  # two steps of four layers
+        for name, dur, stream in (("_write_kv_kernel", 1.0, 7), ("_gemm_kernel(int)", 10.0, 9),
+                                  ("_shrink<bf16>", 4.0, 7)):
+            events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"stream": stream}})
+            t += 2.0 if stream == 9 else dur + 0.5
+    got = layer_timeline(events, "_write_kv", steps=2)
+    assert [k["name"] for k in got] == ["_write_kv_kernel", "_gemm_kernel", "_shrink"]
+    assert [k["stream"] for k in got] == [7, 9, 7] and [k["start_us"] for k in got] == [0.0, 1.5, 3.5]
+    assert layer_timeline(events, "_absent", steps=2) == []
