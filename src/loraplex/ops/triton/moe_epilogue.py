@@ -8,11 +8,11 @@ acc holds the gate columns, acc_up the matching up columns, N on); the routing w
 thus rounded once, after the activation and the weight, as the reference computes them.
 
 `pair_operands` loads what the epilogue adds and multiplies, `store_pairs` finishes and
-stores; the GEMV form (moe_gemv_quant.py) also has the first expand each pair's shrunk
-adapter row at its columns (LORA_EXPAND). Both run after the main loop: issued before
-it (a warp issues in order, so the slot -> mask -> delta chain still stalls it, and the
-values then hold registers through the loop) the Qwen3-30B-A3B FP8 decode graph with
-16 adapters took 13.54-13.67 ms against 12.80-12.96 (H100).
+stores (`finish_pairs`: both, the grouped GEMMs' epilogue); in the GEMV form
+(moe_gemv_quant.py) the first also expands each pair's shrunk adapter row at its
+columns (LORA_EXPAND). They run after the main loop: issued before it, the Qwen3-30B-A3B
+FP8 decode graph with 16 adapters took 13.54-13.67 ms against 12.80-12.96 (H100; a warp
+issues in order, so the slot -> mask -> delta chain stalls it there just the same).
 """
 
 from __future__ import annotations
@@ -96,3 +96,21 @@ def store_pairs(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
     else:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def finish_pairs(
+    acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
+    bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+    stride_be, stride_bn, stride_om, stride_on, stride_dm,
+    HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr,
+    USE_SLOT_MASK: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
+):
+    """pair_operands then store_pairs, with whole delta rows: the grouped GEMMs' epilogue."""
+    add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
+                                        delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
+                                        stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
+                                        MUL_ROUTED_WEIGHT, EVEN_N)
+    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
+                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)

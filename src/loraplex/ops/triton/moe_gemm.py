@@ -28,7 +28,7 @@ from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config
-from loraplex.ops.triton.moe_epilogue import pair_operands, store_pairs
+from loraplex.ops.triton.moe_epilogue import finish_pairs
 from loraplex.ops.triton.precision import dot_settings
 
 # Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
@@ -98,12 +98,11 @@ def _moe_gemm_kernel(
             u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
 
-    add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
-                                        delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
-                                        stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-                                        MUL_ROUTED_WEIGHT, EVEN_N)
-    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
-                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
+    finish_pairs(acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
+                 bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+                 stride_be, stride_bn, stride_om, stride_on, stride_dm,
+                 HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
+                 MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm(

@@ -49,7 +49,7 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
-from loraplex.ops.triton.moe_epilogue import pair_operands, store_pairs
+from loraplex.ops.triton.moe_epilogue import finish_pairs
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.quant_tiles import (
     even_odd,
@@ -148,12 +148,11 @@ def _moe_gemm_quant_kernel(
                              SCALE_PER_STEP, EVEN_K, a_ptr, UPCAST)
                 acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
 
-    add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
-                                        delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
-                                        stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-                                        MUL_ROUTED_WEIGHT, EVEN_N)
-    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
-                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
+    finish_pairs(acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
+                 bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+                 stride_be, stride_bn, stride_om, stride_on, stride_dm,
+                 HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
+                 MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm_quant(
