@@ -125,7 +125,7 @@ def kernels() -> dict:
         stride_bl=experts * 2 * inter * r, stride_be=2 * inter * r, stride_bn=r, stride_dm=2 * inter,
         TOP_K=const(8), ROW_DIV=const(8), R=const(r), BLOCK_R=const(r), HAS_MASK=const(True),
         HAS_RANKS=const(True), N_SPLIT=const(2), BLOCK_K=const(512), BLOCK_N=const(256),
-        EVEN_K=const(True), EVEN_N=const(True), NUM_STAGES=const(3)), num_warps=8)
+        EVEN_K=const(True), EVEN_N=const(True), NUM_STAGES=const(3), EXPAND=const(True)), num_warps=8)
     out["race_sample"] = compile_ptx(mod("sample")._race_partial_kernel, dict(
         logits_ptr=f32, temperature_ptr=f32, seeds_ptr="*i64", best_ptr=f32, best_id_ptr=i32,
         vocab=128256, stride_row=128256, min_draw=1e-20, splits=16, SPAN=const(8192),
