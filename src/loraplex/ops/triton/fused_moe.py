@@ -78,12 +78,6 @@ def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **
         gemm(a, w, bias, out, align, cfg, row_div, **epilogue)
 
 
-def _delta_width(lora_b: torch.Tensor, expanded_by_gemv: torch.Tensor | None) -> int:
-    """Columns of an expert GEMM's delta rows: its output's, or the rank's where the GEMV
-    form expands them (B [L, E, N, R])."""
-    return lora_b.shape[3] if expanded_by_gemv is not None else lora_b.shape[2]
-
-
 def fused_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -121,16 +115,17 @@ def fused_experts(
         return None
 
     align_l = delta_gu = delta_d = None
-    b_gu = b_d = None  # the B the GEMV form expands with (GEMV_EXPANDS_LORA)
+    gemv_expands = False  # the deltas are shrunk rows [P, R] the GEMV expands (GEMV_EXPANDS_LORA)
     if lora is not None:
         form, block_m = lora_form(t, top_k, dev)
-        if gemv and form == "gemv" and GEMV_EXPANDS_LORA:
-            b_gu, b_d = lora.b_gate_up, lora.b_down
+        gemv_expands = gemv and form == "gemv" and GEMV_EXPANDS_LORA
+        # B [L, E, N, R]: a delta row is N wide, or R where the GEMV expands it.
+        delta_dim = 3 if gemv_expands else 2
 
         def adapter_delta(inp, a, b, row_div, which, delta):
             ranks = lora.ranks[which] if lora.ranks is not None else None
             if align_l is None:
-                b = None if b_gu is not None else b  # the shrink alone
+                b = None if gemv_expands else b  # the shrink alone
                 moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
@@ -143,7 +138,7 @@ def fused_experts(
             adapter_delta(x, lora.a_gate_up, lora.b_gate_up, top_k, 0, delta_gu)
 
         # Deltas are allocated on the current stream, so the allocator orders their reuse there.
-        delta_gu = torch.empty(p, _delta_width(lora.b_gate_up, b_gu), dtype=torch.float32, device=dev)
+        delta_gu = torch.empty(p, lora.b_gate_up.shape[delta_dim], dtype=torch.float32, device=dev)
     if lora is not None and side_stream is not None:
         # The gate/up delta reads only x and the routing: it runs beside the expert
         # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
@@ -162,13 +157,14 @@ def fused_experts(
 
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
-                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k, lora_b=b_gu)
+                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k,
+                 lora_b=lora.b_gate_up if gemv_expands else None)
     if lora is not None:
-        delta_d = torch.empty(p, _delta_width(lora.b_down, b_d), dtype=torch.float32, device=dev)
+        delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     _expert_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
-                 delta=delta_d, lora=lora, top_k=top_k, lora_b=b_d)
+                 delta=delta_d, lora=lora, top_k=top_k, lora_b=lora.b_down if gemv_expands else None)
     y = y.view(t, top_k, hidden)
     return y.sum(1) if sum_topk else y
 
