@@ -451,7 +451,7 @@ def test_bf16x2_decode_needs_integer_zero_points():
 def test_int4_kernel_configs_follow_shapes_alone():
     """Decode configs split K on a GPU by the SM count (forced here by device type only);
     BLOCK_K fits the group."""
-    from loraplex.ops.triton.int4_gemm import int4_config
+    from loraplex.ops.triton.int4_configs import int4_config
 
     cpu = torch.device("cpu")
     assert int4_config(1, 4096, 4096, 128, cpu)["BLOCK_K"] == 128
@@ -513,3 +513,89 @@ def test_int4_kernel_compiles_for_sm90_reading_whole_vectors():
         assert c["i2f"] == 0 and c["mma"] > 0, (t, c)
         assert c.get("st.b16", 0) == 0 and 0 < c["shared"] <= 232_448, (t, c)
         assert (c["mul2"] > 0) == t.endswith("bf16x2"), (t, c)
+
+
+# -- tuned configs and the tuner ----------------------------------------------------------
+
+def test_tuned_int4_config_files_are_read_for_their_shape(tmp_path, monkeypatch):
+    """A tuned file's entry (its split of K with it) serves token counts within a factor
+    of 2 of it, for its shape, group size and dtype on its GPU; anything else gets the
+    defaults."""
+    from loraplex.ops.triton import int4_configs, moe_configs
+
+    name = int4_configs.config_file_name("NVIDIA_H200", 6144, 4096, 128, torch.bfloat16)
+    assert name == "int4_gemm_NVIDIA_H200_N6144_K4096_G128_bfloat16.json"
+    tuned = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=4)
+    moe_configs.save_configs(tmp_path / name, {32: tuned}, int4_configs.KEYS)
+    monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(int4_configs, "device_name", lambda device: "NVIDIA_H200")
+    monkeypatch.setattr(int4_configs, "_sm_count", lambda device: 132)
+    int4_configs.clear_cache()
+    try:
+        cuda = torch.device("cuda")
+        assert int4_configs.int4_config(32, 6144, 4096, 128, cuda) == tuned
+        assert int4_configs.int4_config(20, 6144, 4096, 128, cuda) == tuned
+        for args in ((8, 6144, 4096, 128, cuda), (32, 4096, 8192, 128, cuda), (32, 6144, 4096, 64, cuda),
+                     (32, 6144, 4096, 128, torch.device("cpu"))):
+            assert int4_configs.int4_config(*args) == int4_configs.default_config(*args)
+        assert int4_configs.int4_config(32, 6144, 4096, 128, cuda, torch.float16) \
+            == int4_configs.default_config(32, 6144, 4096, 128, cuda)
+    finally:
+        int4_configs.clear_cache()
+
+
+def test_int4_tuner_candidates_run_and_fit():
+    """Every candidate fits shared memory, splits K at most into its steps and keeps its
+    steps inside a group or whole groups; a sample computes what the reference does
+    (under the interpreter on a small W)."""
+    from loraplex.bench import tune_int4
+    from loraplex.bench.tuning import SMEM_BYTES
+    from loraplex.ops.triton.int4_configs import KEYS
+    from loraplex.ops.triton.int4_gemm import int4_linear
+
+    for t in (1, 16, 32, 64, 96):
+        for k, group in ((4096, 128), (14336, 128), (4096, 32)):
+            cands = tune_int4.candidates(t, k, group)
+            assert cands and all(set(c) == set(KEYS) for c in cands)
+            for c in cands:
+                assert c["SPLIT_K"] <= k // c["BLOCK_K"]
+                assert group % c["BLOCK_K"] == 0 or c["BLOCK_K"] % group == 0
+                per_stage = c["BLOCK_M"] * c["BLOCK_K"] * 2 + c["BLOCK_N"] * c["BLOCK_K"] // 2
+                assert c["num_stages"] * per_stage <= SMEM_BYTES
+    from loraplex.ops.reference.quant import linear
+
+    w = _random_int4(40, 256, 128, torch.float32, seed=5)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    want = linear(x, w, None)
+    for cfg in tune_int4.candidates(3, 256, 128)[::23]:
+        torch.testing.assert_close(int4_linear(x, w, None, cfg), want, atol=1e-4, rtol=1e-4, msg=str(cfg))
+
+
+def test_int4_tuner_cli_path(tmp_path, monkeypatch, capsys):
+    """`loraplex tune --quantization awq` tunes a dense model's projection shapes at group
+    128 (no GPU here: the timing loop is replaced); an AWQ checkpoint needs no flag and
+    brings its own group size; a dense model without either is refused."""
+    from loraplex.bench import tune_int4
+    from loraplex.bench.workload import prepare_model_dir
+    from loraplex.entrypoints.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_int4, "tune", lambda *a: calls.append(a) or [])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli(["tune", "--model", "llama-3.1-8b", "--quantization", "awq", "--out", str(tmp_path / "out"),
+                *cache]) == 0
+    assert calls == [([(4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)], 128, torch.bfloat16,
+                      tune_int4.BATCH_SIZES, str(tmp_path / "out"))]
+    calls.clear()
+    src, _ = prepare_model_dir("qwen3-0.6b", tmp_path / "cache")
+    awq_dir = tmp_path / "qwen3-0.6b-awq"
+    awq_dir.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (awq_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        **FORMATS["awq"][0], "group_size": 64}}))
+    assert cli(["tune", "--model", str(awq_dir), "--batch-sizes", "16", "32", *cache]) == 0
+    assert calls[0][1] == 64 and calls[0][3] == [16, 32]
+    calls.clear()
+    assert cli(["tune", "--model", "llama-3.1-8b", *cache]) == 2
+    assert "int4 GEMMs" in capsys.readouterr().err and not calls

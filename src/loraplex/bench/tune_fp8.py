@@ -15,13 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import triton
 
-from loraplex.bench.tuning import SMEM_BYTES, time_ms
+from loraplex.bench.tuning import SMEM_BYTES, projection_shapes, time_ms
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
 from loraplex.ops.triton.fp8_gemm import fp8_linear, scale_mode
@@ -79,17 +78,8 @@ def fp8_quant(cfg: ModelConfig) -> QuantConfig:
 
 def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """The distinct [N, K] of the projections FP8 covers in the model (fused slices as
-    one), read from the model built on the meta device."""
-    from loraplex.layers.linear import LoRALinear, weights_deferred
-    from loraplex.models.quant import deferred_layers, quantized_layers
-    from loraplex.models.registry import build_model
-
-    cfg = replace(cfg, quant=fp8_quant(cfg))
-    with torch.device("meta"), weights_deferred():
-        model = build_model(cfg, cfg.max_position_embeddings)
-    covered = quantized_layers(model, cfg, None)
-    return sorted({tuple(m.weight.shape) for path, m in deferred_layers(model).items()
-                   if path in covered and isinstance(m, LoRALinear)})
+    one)."""
+    return projection_shapes(cfg, fp8_quant(cfg))
 
 
 def scale_block(cfg: ModelConfig) -> int | None:

@@ -130,10 +130,13 @@ def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dty
 
 def main(args: argparse.Namespace) -> int:
     """`loraplex tune` (arguments declared in entrypoints/cli.py): the MoE GEMMs of a MoE
-    model, and the FP8 dense GEMM (bench/tune_fp8.py) at the projection shapes of an FP8
-    checkpoint or of any model with --quantization fp8."""
+    model, the FP8 dense GEMM (bench/tune_fp8.py) at the projection shapes of an FP8
+    checkpoint or of any model with --quantization fp8, and the W4A16 GEMM
+    (bench/tune_int4.py) at those of an AWQ / GPTQ checkpoint or of a dense model with
+    --quantization awq|gptq."""
     from transformers import AutoConfig
 
+    from loraplex.bench import tune_int4
     from loraplex.bench.workload import MOE_CONFIGS, prepare_model_dir
     from loraplex.models.registry import model_config
 
@@ -144,10 +147,12 @@ def main(args: argparse.Namespace) -> int:
         raise ModelLoadError(f"the checkpoint is {cfg.quant.method}-quantized; --quantization "
                              f"{args.quantization} cannot apply to it")
     fp8 = args.quantization == "fp8" or (cfg.quant is not None and cfg.quant.format == "fp8")
-    if not cfg.moe_layers and not fp8:
+    int4 = tune_int4.int4_quant(cfg, args.quantization)
+    if not cfg.moe_layers and not fp8 and int4 is None:
         raise UnsupportedModel(f"{args.model}: not a mixture-of-experts model, and only MoE kernels "
-                               f"(bundled MoE configs: {', '.join(MOE_CONFIGS)}) and FP8 GEMMs "
-                               f"(an FP8 checkpoint, or --quantization fp8) are tuned")
+                               f"(bundled MoE configs: {', '.join(MOE_CONFIGS)}), FP8 GEMMs (an FP8 "
+                               f"checkpoint, or --quantization fp8) and int4 GEMMs (an AWQ / GPTQ "
+                               f"checkpoint, or --quantization awq|gptq) are tuned")
     if not torch.cuda.is_available():
         raise LoraplexError("loraplex tune times kernels on a CUDA GPU; this machine has none")
     dtype, batch_sizes = getattr(torch, args.dtype), args.batch_sizes or BATCH_SIZES
@@ -158,6 +163,9 @@ def main(args: argparse.Namespace) -> int:
         from loraplex.bench import tune_fp8
 
         tune_fp8.tune(tune_fp8.gemm_shapes(cfg), tune_fp8.scale_block(cfg), dtype, batch_sizes, args.out)
+    if int4 is not None:
+        tune_int4.tune(tune_int4.gemm_shapes(cfg, int4), int4.group_size, dtype,
+                       args.batch_sizes or tune_int4.BATCH_SIZES, args.out)
     return 0
 
 

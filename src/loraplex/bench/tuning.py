@@ -1,9 +1,11 @@
-"""What the kernel tuners share (bench/tune_moe.py, bench/tune_fp8.py): the shared-memory
-budget a config's pipeline must fit, and the timer."""
+"""What the kernel tuners share (bench/tune_moe.py, bench/tune_fp8.py, bench/tune_int4.py):
+the shared-memory budget a config's pipeline must fit, the timer, and a model's
+quantized projection shapes."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import torch
 
@@ -24,3 +26,19 @@ def time_ms(fn, repeats: int = 20, inner: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
+
+
+def projection_shapes(cfg, quant) -> list[tuple[int, int]]:
+    """The distinct [N, K] of the dense projections `quant` (a QuantConfig) covers in the
+    model of ModelConfig `cfg` (fused slices as one), read from the model built on the
+    meta device."""
+    from loraplex.layers.linear import LoRALinear, weights_deferred
+    from loraplex.models.quant import deferred_layers, quantized_layers
+    from loraplex.models.registry import build_model
+
+    cfg = replace(cfg, quant=quant)
+    with torch.device("meta"), weights_deferred():
+        model = build_model(cfg, cfg.max_position_embeddings)
+    covered = quantized_layers(model, cfg, None)
+    return sorted({tuple(m.weight.shape) for path, m in deferred_layers(model).items()
+                   if path in covered and isinstance(m, LoRALinear)})

@@ -120,16 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(b)
     b.set_defaults(func=bench.main)
 
-    tune = sub.add_parser("tune", help="tune the MoE kernels' and the FP8 GEMM's block configs on "
-                                       "this GPU (JSON files)")
+    tune = sub.add_parser("tune", help="tune the MoE kernels' and the FP8 and int4 GEMMs' block configs "
+                                       "on this GPU (JSON files)")
     tune.add_argument("--model", required=True,
-                      help="MoE or FP8 model directory, or a bundled MoE config: " + ", ".join(MOE_CONFIGS))
-    tune.add_argument("--quantization", choices=["fp8", "mxfp4"], default=None,
+                      help="MoE, FP8 or AWQ / GPTQ model directory, or a bundled config: MoE ones ("
+                           + ", ".join(MOE_CONFIGS) + ") or dense ones with --quantization")
+    tune.add_argument("--quantization", choices=["fp8", "mxfp4", "awq", "gptq"], default=None,
                       help="tune for serving with --quantization: fp8 also tunes the FP8 GEMM at the "
-                           "model's projection shapes; a MoE model's experts are tuned in that "
-                           "format (a quantized checkpoint's are tuned in its own without it)")
+                           "model's projection shapes, awq / gptq the int4 GEMM; a MoE model's "
+                           "experts are tuned in fp8 or mxfp4 (a quantized checkpoint's are tuned in "
+                           "its own without it)")
     tune.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=None,
-                      help="token counts to tune (default: 1 to 4096)")
+                      help="token counts to tune (default: 1 to 4096; the int4 GEMM: 1 to 96, its own)")
     tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     tune.add_argument("--out", default=None, help="output directory (default: the package's configs)")
     tune.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "loraplex" / "bench"),

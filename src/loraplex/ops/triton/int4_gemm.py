@@ -19,7 +19,7 @@ odd columns in two dots. The group's scale and zero come once per K step: one
 [BLOCK_N, BLOCK_K / G] tile spread over the step when several groups fit in it, else
 gathered per k (odd group sizes of small random models).
 
-Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
+Two regimes, one kernel (int4_configs.py: defaults by token count, or tuned files):
 - decode (T <= 64): small BLOCK_M (16, 32, 64 by T: mma tiles, a lone token padded to 16
   rows) and split-K. The step is bound by reading W (4.25 bits a weight: 4, and a bf16
   scale and zero per 128), so the grid is widened along K until every SM streams several
@@ -29,36 +29,24 @@ Two regimes, one kernel (DEFAULT_CONFIGS, by token count):
   partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's bytes.
 - prefill: 64 / 128-row tensor-core tiles in grouped order (GROUP_M row blocks sweep the
   column blocks together, so a W tile is reused from L2), no split.
-The grid and every constexpr follow the shapes (and the SM count) alone: CUDA graphs
-replay the launches. Configs are untuned guesses (no GPU measured them yet).
+The grid and every constexpr follow the shapes (and the SM count, or the tuned file of
+this GPU) alone: CUDA graphs replay the launches.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Int4Weight
+from loraplex.ops.triton.int4_configs import int4_config
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import even_odd, int4_bf16_pairs
 from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
 
-# Untuned defaults by token count (H100/H200 guesses: no tuning file yet).
-DEFAULT_CONFIGS = (
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
-    (32, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
-    (128, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
-    (math.inf, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
-)
-# Split K until about this many programs per SM (a decode tile alone cannot keep enough
-# bytes in flight to fill an SM's share of memory bandwidth).
-PROGRAMS_PER_SM = 4
-MAX_SPLIT_K = 16
 # Prefill: from this many tokens, W dequantized into a scratch tensor (4 bytes a weight
 # written and read) and cuBLAS's bf16 GEMM beat the W4A16 kernel's tensor-core tiles.
 # Llama-3.1-8B's qkv + gate_up + down, H100 (us): 128 tokens ~366 against 473, 2048
@@ -211,21 +199,6 @@ def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn
              mask=n_mask[:, None] & (k[None, :] < K))
 
 
-def int4_config(num_tokens: int, n: int, k: int, group: int, device: torch.device) -> dict:
-    """The launch config of [num_tokens, k] x [n, k]: the default table's row, its BLOCK_K
-    fitted to the group size, and the split of K."""
-    cfg = dict(next(c for limit, c in DEFAULT_CONFIGS if num_tokens <= limit))
-    block_k = cfg["BLOCK_K"]
-    if group % block_k and block_k % group:
-        # A step inside one group where the group has a power of two of at least 16 in it
-        # (tl.dot's smallest K); else scales gathered per k.
-        pow2 = group & -group
-        if pow2 >= 16:
-            cfg["BLOCK_K"] = pow2
-    cfg["SPLIT_K"] = _split_k(num_tokens, n, k, cfg, device)
-    return cfg
-
-
 def fit_stages(cfg: dict, group: int, x_bytes: int, w_bytes: int) -> dict:
     """cfg with num_stages lowered until its pipelined tiles fit SHARED_MEMORY_BUDGET.
     The defaults are sized for bf16 activations and whole groups per step: float32
@@ -245,17 +218,6 @@ def fit_stages(cfg: dict, group: int, x_bytes: int, w_bytes: int) -> dict:
     return {**cfg, "num_stages": stages}
 
 
-def _split_k(m: int, n: int, k: int, cfg: dict, device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    want = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), tiles))
-    # Partial sums: 2 x split x m x n x 4 bytes against W's n x k / 2: at most a quarter.
-    traffic_cap = _pow2_floor(max(1, k // (64 * m)))
-    k_blocks = _pow2_floor(triton.cdiv(k, cfg["BLOCK_K"]))
-    return max(1, min(want, MAX_SPLIT_K, traffic_cap, k_blocks))
-
-
 def bf16x2_decode(x: torch.Tensor, w: Int4Weight, block_k: int) -> bool:
     """Whether the kernel decodes W in bf16x2 arithmetic: bf16 activations and scales on
     an sm_90 GPU (its sub/mul.bf16x2), every step inside one group, and zero points that
@@ -268,15 +230,6 @@ def bf16x2_decode(x: torch.Tensor, w: Int4Weight, block_k: int) -> bool:
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-def _pow2_floor(v: int) -> int:
-    return 1 << (v.bit_length() - 1)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def int4_dequantize(w: Int4Weight) -> torch.Tensor:
@@ -297,7 +250,7 @@ def int4_fuses_expand(x: torch.Tensor, w: Int4Weight) -> bool:
     """Whether int4_linear of x can take a FusedExpand: its default config splits K."""
     m, (n, k) = x.numel() // x.shape[-1], w.shape
     return (x.is_cuda and 0 < m < DEQUANTIZE_MIN_TOKENS
-            and int4_config(m, n, k, w.group, x.device)["SPLIT_K"] > 1)
+            and int4_config(m, n, k, w.group, x.device, x.dtype)["SPLIT_K"] > 1)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, config: dict | None = None,
@@ -321,7 +274,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*lead, n)
-    cfg = dict(config) if config is not None else int4_config(m, n, k, w.group, x.device)
+    cfg = dict(config) if config is not None else int4_config(m, n, k, w.group, x.device, x.dtype)
     cfg = fit_stages(cfg, w.group, x.element_size(), w.scale.element_size())
     bf16x2 = cfg.pop("BF16X2", None)
     if bf16x2 is None:

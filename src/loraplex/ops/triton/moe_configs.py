@@ -54,13 +54,13 @@ def search_dirs() -> list[Path]:
 
 
 @functools.cache
-def load_configs(file_name: str) -> dict[int, dict] | None:
-    """{token count: config} from the first directory holding `file_name`, else None."""
+def load_configs(file_name: str, keys: tuple[str, ...] = CONFIG_KEYS) -> dict[int, dict] | None:
+    """{token count: config (`keys`)} from the first directory holding `file_name`, else None."""
     for d in search_dirs():
         path = d / file_name
         if path.is_file():
             table = json.loads(path.read_text())
-            return {int(m): {key: int(cfg[key]) for key in CONFIG_KEYS} for m, cfg in table.items()}
+            return {int(m): {key: int(cfg[key]) for key in keys} for m, cfg in table.items()}
     return None
 
 
@@ -88,12 +88,12 @@ def tuned_config(w, num_tokens: int) -> dict | None:
     return dict(table[m]) if m / 2 <= num_tokens <= 2 * m else None
 
 
-def save_configs(path: Path, table: dict[int, dict]) -> None:
-    """Writes `table` into the file at `path`, keeping its entries for other token counts
-    (decode and prefill sizes are tuned in separate runs)."""
+def save_configs(path: Path, table: dict[int, dict], keys: tuple[str, ...] = CONFIG_KEYS) -> None:
+    """Writes `table` (configs of `keys`) into the file at `path`, keeping its entries for
+    other token counts (decode and prefill sizes are tuned in separate runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     old = {int(m): cfg for m, cfg in json.loads(path.read_text()).items()} if path.is_file() else {}
-    rows = {str(m): {key: int(cfg[key]) for key in CONFIG_KEYS}
+    rows = {str(m): {key: int(cfg[key]) for key in keys}
             for m, cfg in sorted({**old, **table}.items())}
     path.write_text(json.dumps(rows, indent=1) + "\n")
     load_configs.cache_clear()
