@@ -24,7 +24,8 @@ def _name_path(spec: str) -> tuple[str, str]:
 
 
 def _generate(args) -> int:
-    from loraplex import LLM, LoRARequest, SamplingParams
+    from loraplex.entrypoints.llm import LLM
+    from loraplex.types import LoRARequest, SamplingParams
 
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     loras = [None]
