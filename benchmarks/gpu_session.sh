@@ -7,7 +7,7 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant tune-int4 | spec-cost |
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant tune-int4 gemms-int4 | spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -55,6 +55,8 @@ for step in $STEPS; do
       run kernels 300 kernels --out "$OUT/kernels.json" | tail -60 ;;
     gemms)  # RESULTS: "Base GEMMs"
       run gemms 300 base_gemms --out "$OUT/gemms.json" ;;
+    gemms-int4)  # RESULTS: "Llama-3.1-8B AWQ int4" (the int4 GEMMs: this GPU's configs against the defaults)
+      run gemms-int4 300 base_gemms --quantization awq --tokens 1 16 32 64 --out "$OUT/gemms-int4.json" ;;
     moe-kernels)  # RESULTS: "One MoE layer", "Expert adapters in decode"
       run moe-kernels 400 moe_kernels --tokens 1 16 64 2048 8192 --out "$OUT/moe-kernels.json" \
         | grep -v "^ " ;;
