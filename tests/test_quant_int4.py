@@ -599,3 +599,21 @@ def test_int4_tuner_cli_path(tmp_path, monkeypatch, capsys):
     calls.clear()
     assert cli(["tune", "--model", "llama-3.1-8b", *cache]) == 2
     assert "int4 GEMMs" in capsys.readouterr().err and not calls
+
+
+def test_tuners_take_the_fastest_config_that_runs(monkeypatch):
+    """bench.tuning.fastest (every tuner's search): the least time over configs, those
+    that fail to launch skipped, `per` calls in each timed one."""
+    from loraplex.bench import tuning
+
+    monkeypatch.setattr(tuning, "time_ms", lambda run: run())
+    times = {"a": 3.0, "b": 1.0, "c": 2.0}
+
+    def launch(cfg):
+        if cfg == "b":
+            return lambda: (_ for _ in ()).throw(RuntimeError("out of resources"))
+        return lambda: times[cfg]
+
+    assert tuning.fastest(["a", "b", "c"], launch, "test") == "c"
+    assert tuning.fastest(["a", "c"], lambda cfg: lambda: times[cfg], "test", per=2) == "c"
+    assert tuning.fastest(["b"], launch, "test") is None

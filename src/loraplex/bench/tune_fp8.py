@@ -13,20 +13,16 @@ launch are skipped.
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 from pathlib import Path
 
 import torch
 import triton
 
-from loraplex.bench.tuning import SMEM_BYTES, projection_shapes, time_ms
+from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
 from loraplex.ops.triton.fp8_gemm import fp8_linear, scale_mode
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, device_name, save_configs
-
-logger = logging.getLogger("loraplex")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 # GEMV form: the [BLOCK_M, BLOCK_K, BLOCK_N] product in registers, at most 64 float32
@@ -88,17 +84,9 @@ def scale_block(cfg: ModelConfig) -> int | None:
 
 
 def _best(x: torch.Tensor, w, num_tokens: int) -> dict | None:
-    best, best_ms = None, math.inf
-    for cfg in candidates(num_tokens, w.shape[1], w.block_k, x.element_size()):
-        try:
-            ms = time_ms(lambda: fp8_linear(x, w, None, cfg))  # noqa: B023
-        except Exception as e:  # out of resources, compile errors: not a candidate here
-            logger.debug("skipping %s: %s", cfg, e)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    logger.info("N=%d K=%d T=%d: %s (%.4f ms)", *w.shape, num_tokens, best, best_ms)
-    return best
+    return fastest(candidates(num_tokens, w.shape[1], w.block_k, x.element_size()),
+                   lambda cfg: lambda: fp8_linear(x, w, None, cfg),
+                   f"N={w.shape[0]} K={w.shape[1]} T={num_tokens}")
 
 
 def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,

@@ -14,19 +14,15 @@ the split of K (the split-K sum included in the time).
 from __future__ import annotations
 
 import itertools
-import logging
-import math
 from pathlib import Path
 
 import torch
 
-from loraplex.bench.tuning import SMEM_BYTES, projection_shapes, time_ms
+from loraplex.bench.tuning import SMEM_BYTES, fastest
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.int4_configs import KEYS, clear_cache, config_file_name, default_config
 from loraplex.ops.triton.int4_gemm import DEQUANTIZE_MIN_TOKENS, int4_linear
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, device_name, save_configs
-
-logger = logging.getLogger("loraplex")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96)
 
@@ -61,18 +57,10 @@ def int4_quant(cfg: ModelConfig, asked: str | None) -> QuantConfig | None:
 
 
 def _best(x: torch.Tensor, ws: list, num_tokens: int) -> dict | None:
-    best, best_ms = None, math.inf
     n, k = ws[0].shape
-    for cfg in candidates(num_tokens, k, ws[0].group):
-        try:
-            ms = time_ms(lambda: [int4_linear(x, w, None, cfg) for w in ws]) / len(ws)  # noqa: B023
-        except Exception as e:  # out of resources, compile errors: not a candidate here
-            logger.debug("skipping %s: %s", cfg, e)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    logger.info("N=%d K=%d T=%d: %s (%.4f ms)", n, k, num_tokens, best, best_ms)
-    return best
+    return fastest(candidates(num_tokens, k, ws[0].group),
+                   lambda cfg: lambda: [int4_linear(x, w, None, cfg) for w in ws],
+                   f"N={n} K={k} T={num_tokens}", per=len(ws))
 
 
 def tune(shapes: list[tuple[int, int]], group: int, dtype: torch.dtype, batch_sizes=BATCH_SIZES,
@@ -106,8 +94,3 @@ def tune(shapes: list[tuple[int, int]], group: int, dtype: torch.dtype, batch_si
         paths.append(path)
     clear_cache()
     return paths
-
-
-def gemm_shapes(cfg: ModelConfig, quant: QuantConfig) -> list[tuple[int, int]]:
-    """The distinct [N, K] of the projections int4 covers in the model (fused slices as one)."""
-    return projection_shapes(cfg, quant)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.bench.tuning import SMEM_BYTES, time_ms
+from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
 from loraplex.errors import LoraplexError, ModelLoadError, UnsupportedModel
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 from loraplex.ops.reference.quant import quantize_fp8, quantize_mxfp4
@@ -30,8 +30,6 @@ from loraplex.ops.triton.moe_align import align_experts
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, config_file_name, device_name, save_configs
 from loraplex.ops.triton.moe_gemm import moe_gemm
 from loraplex.ops.triton.moe_gemm_quant import MIN_BLOCK_K, moe_gemm_quant
-
-logger = logging.getLogger("loraplex")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
 FORMATS = ("mxfp4", "fp8")
@@ -66,18 +64,13 @@ def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: boo
           elem_bytes: int, fmt: str | None = None) -> dict:
     topk_ids, a, w, out, kwargs = gemm_inputs
     gemm = moe_gemm_quant if fmt else moe_gemm
-    best, best_ms = None, math.inf
-    for cfg in candidates(num_tokens, top_k, num_experts, elem_bytes, fused, fmt):
+
+    def launch(cfg):
         align = align_experts(topk_ids, num_experts, cfg["BLOCK_M"])
-        try:
-            ms = time_ms(lambda: gemm(a, w, None, out, align, cfg, **kwargs))  # noqa: B023
-        except Exception as e:  # out of resources, compile errors: not a candidate here
-            logger.debug("skipping %s: %s", cfg, e)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    logger.info("T=%d %s: %s (%.4f ms)", num_tokens, "gate_up" if fused else "down", best, best_ms)
-    return best
+        return lambda: gemm(a, w, None, out, align, cfg, **kwargs)
+
+    return fastest(candidates(num_tokens, top_k, num_experts, elem_bytes, fused, fmt), launch,
+                   f"T={num_tokens} {'gate_up' if fused else 'down'}")
 
 
 def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, fmt: str | None,
@@ -164,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
 
         tune_fp8.tune(tune_fp8.gemm_shapes(cfg), tune_fp8.scale_block(cfg), dtype, batch_sizes, args.out)
     if int4 is not None:
-        tune_int4.tune(tune_int4.gemm_shapes(cfg, int4), int4.group_size, dtype,
+        tune_int4.tune(projection_shapes(cfg, int4), int4.group_size, dtype,
                        args.batch_sizes or tune_int4.BATCH_SIZES, args.out)
     return 0
 

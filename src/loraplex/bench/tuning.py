@@ -1,13 +1,17 @@
 """What the kernel tuners share (bench/tune_moe.py, bench/tune_fp8.py, bench/tune_int4.py):
-the shared-memory budget a config's pipeline must fit, the timer, and a model's
-quantized projection shapes."""
+the shared-memory budget a config's pipeline must fit, the timer, the search for the
+fastest config, and a model's quantized projection shapes."""
 
 from __future__ import annotations
 
+import logging
+import math
 import statistics
 from dataclasses import replace
 
 import torch
+
+logger = logging.getLogger("loraplex")
 
 SMEM_BYTES = 200 * 1024  # H100 / H200 allow 227 KiB per block; leave room for the epilogue
 
@@ -27,6 +31,23 @@ def time_ms(fn, repeats: int = 20, inner: int = 10) -> float:
         times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
 
+
+def fastest(configs, launch, what: str, per: int = 1) -> dict | None:
+    """The config of `configs` whose launch runs fastest: `launch(cfg)` prepares one and
+    returns the call to time (time_ms; `per` of them in each call). Configs that fail to
+    compile or launch (out of resources) are skipped. Logs the winner with `what`."""
+    best, best_ms = None, math.inf
+    for cfg in configs:
+        run = launch(cfg)
+        try:
+            ms = time_ms(run) / per
+        except Exception as e:  # out of resources, compile errors: not a candidate here
+            logger.debug("skipping %s: %s", cfg, e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    logger.info("%s: %s (%.4f ms)", what, best, best_ms)
+    return best
 
 def projection_shapes(cfg, quant) -> list[tuple[int, int]]:
     """The distinct [N, K] of the dense projections `quant` (a QuantConfig) covers in the

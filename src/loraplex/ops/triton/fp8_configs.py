@@ -18,7 +18,7 @@ import functools
 import torch
 import triton
 
-from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs
+from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs, near_entry
 
 # Under 16 rows tl.dot has no tile: BLOCK_M < 16 is the GEMV form (fp8_gemm.py).
 MIN_DOT_M = 16
@@ -52,10 +52,9 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, num_tokens: int, device: tor
     `num_tokens`, if a file has one near it, else the default."""
     if device.type == "cuda":
         table = _table(device_name(device), n, k, dtype)
-        if table:
-            m = min(table, key=lambda c: (abs(c - num_tokens), c))
-            if m / 2 <= num_tokens <= 2 * m:
-                return dict(table[m])
+        tuned = near_entry(table, num_tokens) if table else None
+        if tuned is not None:
+            return tuned
     return default_config(num_tokens)
 
 

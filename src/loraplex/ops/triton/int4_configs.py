@@ -22,7 +22,7 @@ import math
 import torch
 import triton
 
-from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs
+from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs, near_entry
 
 KEYS = (*CONFIG_KEYS, "SPLIT_K")
 # Defaults by token count (H100/H200 guesses, tuned files override them). Decode: small
@@ -52,10 +52,9 @@ def int4_config(num_tokens: int, n: int, k: int, group: int, device: torch.devic
     default_config's."""
     if device.type == "cuda":
         table = _table(device_name(device), n, k, group, dtype)
-        if table:
-            m = min(table, key=lambda c: (abs(c - num_tokens), c))
-            if m / 2 <= num_tokens <= 2 * m:
-                return dict(table[m])
+        tuned = near_entry(table, num_tokens) if table else None
+        if tuned is not None:
+            return tuned
     return default_config(num_tokens, n, k, group, device)
 
 

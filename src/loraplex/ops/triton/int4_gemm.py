@@ -25,8 +25,9 @@ Two regimes, one kernel (int4_configs.py: defaults by token count, or tuned file
   scale and zero per 128), so the grid is widened along K until every SM streams several
   tiles; each split writes float32 partial sums and a second small kernel adds them (in
   a fixed order: no atomics), the bias, and rounds once (split_k_sum.py; an adapted
-  projection's LoRA expand joins it there, ops.lora_linear). The split is capped so the
-  partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's bytes.
+  projection's LoRA expand joins it there, ops.lora_linear). The default split is capped
+  so the partials' traffic (2 x SPLIT_K x T x N x 4 bytes) stays under a quarter of W's
+  bytes; tuned configs pick theirs by time.
 - prefill: 64 / 128-row tensor-core tiles in grouped order (GROUP_M row blocks sweep the
   column blocks together, so a W tile is reused from L2), no split.
 The grid and every constexpr follow the shapes (and the SM count, or the tuned file of
@@ -247,7 +248,7 @@ def int4_dequantize(w: Int4Weight) -> torch.Tensor:
 
 
 def int4_fuses_expand(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether int4_linear of x can take a FusedExpand: its default config splits K."""
+    """Whether int4_linear of x can take a FusedExpand: its config splits K."""
     m, (n, k) = x.numel() // x.shape[-1], w.shape
     return (x.is_cuda and 0 < m < DEQUANTIZE_MIN_TOKENS
             and int4_config(m, n, k, w.group, x.device, x.dtype)["SPLIT_K"] > 1)

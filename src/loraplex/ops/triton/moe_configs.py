@@ -82,9 +82,14 @@ def tuned_config(w, num_tokens: int) -> dict | None:
     table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype, weight_format(w)))
     if not table:
         return None
+    return near_entry(table, num_tokens)
+
+
+def near_entry(table: dict[int, dict], num_tokens: int) -> dict | None:
+    """The entry tuned for the token count nearest `num_tokens` if that count is within a
+    factor of 2 of it, else None: a config tuned for a very different token count
+    (decode vs prefill) is worse than the defaults, whose tiles follow the shapes."""
     m = _nearest_count(table, num_tokens)
-    # A config tuned for a very different token count (decode vs prefill) is worse than
-    # the defaults, whose tiles follow the rows per expert.
     return dict(table[m]) if m / 2 <= num_tokens <= 2 * m else None
 
 
