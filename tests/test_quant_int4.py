@@ -617,3 +617,24 @@ def test_tuners_take_the_fastest_config_that_runs(monkeypatch):
     assert tuning.fastest(["a", "b", "c"], launch, "test") == "c"
     assert tuning.fastest(["a", "c"], lambda cfg: lambda: times[cfg], "test", per=2) == "c"
     assert tuning.fastest(["b"], launch, "test") is None
+
+
+@pytest.mark.parametrize("text", ['{"32": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, '
+                                  '"num_warps": 4, "num_stages": 3}}', '{"32": "fast"}', '[1, 2]', "{",
+                                  '{"many": {}}'],
+                         ids=["no-split", "not-a-config", "not-a-table", "not-json", "bad-count"])
+def test_malformed_tuned_int4_config_file_fails_naming_it(tmp_path, monkeypatch, text):
+    """A tuned file without a key of the kernel's configs (SPLIT_K), or not a table of
+    token counts at all, is a ModelLoadError naming the file, not a KeyError in a step."""
+    from loraplex.ops.triton import int4_configs, moe_configs
+
+    name = int4_configs.config_file_name("NVIDIA_H200", 6144, 4096, 128, torch.bfloat16)
+    (tmp_path / name).write_text(text)
+    monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
+    monkeypatch.setattr(int4_configs, "device_name", lambda device: "NVIDIA_H200")
+    int4_configs.clear_cache()
+    try:
+        with pytest.raises(ModelLoadError, match=name):
+            int4_configs.int4_config(32, 6144, 4096, 128, torch.device("cuda"))
+    finally:
+        int4_configs.clear_cache()

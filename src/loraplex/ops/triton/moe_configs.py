@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 
 PACKAGE_DIR = Path(__file__).parent / "configs"
@@ -55,12 +56,18 @@ def search_dirs() -> list[Path]:
 
 @functools.cache
 def load_configs(file_name: str, keys: tuple[str, ...] = CONFIG_KEYS) -> dict[int, dict] | None:
-    """{token count: config (`keys`)} from the first directory holding `file_name`, else None."""
+    """{token count: config (`keys`)} from the first directory holding `file_name`, else None.
+    A file that is not such a table raises ModelLoadError naming it (read as the engine
+    warms up: at startup)."""
     for d in search_dirs():
         path = d / file_name
         if path.is_file():
-            table = json.loads(path.read_text())
-            return {int(m): {key: int(cfg[key]) for key in keys} for m, cfg in table.items()}
+            try:
+                table = json.loads(path.read_text())
+                return {int(m): {key: int(cfg[key]) for key in keys} for m, cfg in table.items()}
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelLoadError(f"{path}: not a table of tuned configs (token count -> "
+                                     f"{', '.join(keys)}): {e!r}") from e
     return None
 
 
