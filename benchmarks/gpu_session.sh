@@ -7,7 +7,7 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 llama-awq breakdown-quant tune-int4 gemms-int4 | spec-cost |
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant tune-int4 gemms-int4 | spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -224,6 +224,12 @@ for step in $STEPS; do
           --result-json "$OUT/qwen3-${q:-bf16}.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-${q:-bf16}.txt"
         grep -E "^\| qwen|GiB" "$OUT/qwen3-${q:-bf16}.txt" | tail -4
       done ;;
+    qwen3-w8a8)  # RESULTS: "Qwen3-30B-A3B FP8": W8A8 (--fp8-activations dynamic), base + 16 adapters
+      timeout 280 python3 -m loraplex.entrypoints.cli bench --model qwen3-30b-a3b --quantization fp8 \
+        --fp8-activations dynamic --num-adapters 0 16 --lora-targets q_proj k_proj v_proj o_proj experts \
+        --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
+        --result-json "$OUT/qwen3-w8a8.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-w8a8.txt"
+      grep -E "^\| qwen|GiB" "$OUT/qwen3-w8a8.txt" | tail -3 ;;
     llama-awq)  # RESULTS: "Llama-3.1-8B AWQ int4" (bf16 base in the same run, then int4 base + 32 adapters)
       for q in "" awq; do
         timeout 250 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b ${q:+--quantization $q} \

@@ -350,6 +350,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b"
                    help="the adapters' projections (default: q/k/v/o and the MLP's three)")
     g.add_argument("--quantization", default=None, choices=["fp8", "mxfp4", "awq", "gptq"],
                    help="random weights in this format (default: bf16)")
+    g.add_argument("--fp8-activations", default="unquantized", choices=["unquantized", "dynamic"],
+                   help="FP8 weights: activations as they are, or e4m3 at run time (W8A8)")
 
 
 # ---------------------------------------------------------------- output
@@ -449,7 +451,8 @@ def decode_engine(args: argparse.Namespace, **llm_kwargs):
     adapters: dummy weights, room for prompts of args.prompt_len + 256 tokens."""
     llm, model_dir = dummy_llm(args.model, args.cache_dir, max_loras=max(1, args.adapters), max_lora_rank=16,
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
-                               quantization=getattr(args, "quantization", None), **llm_kwargs)
+                               quantization=getattr(args, "quantization", None),
+                               fp8_activations=getattr(args, "fp8_activations", "unquantized"), **llm_kwargs)
     engine = llm.engine
     loras = random_adapters(engine, model_dir, args.cache_dir, args.adapters, args.expert_adapters,
                             getattr(args, "lora_targets", None))

@@ -90,10 +90,42 @@ def prompt_logprobs_of(out, prompt) -> torch.Tensor:
     return torch.tensor([x[t].logprob for x, t in zip(out.prompt_logprobs[1:], prompt[1:])])
 
 
-def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False) -> None:
+def quantize_linear_inputs(model: torch.nn.Module, block: int) -> None:
+    """Make a transformers (+ PEFT) model on dequantized FP8 weights compute as W8A8
+    serving does (--fp8-activations dynamic): each quantized linear layer (LINEAR's
+    names; under an adapted one, PEFT's base_layer: the adapter keeps the unquantized
+    input) and each fused experts module's matmuls see their input as
+    dequantized_activations(x, block)."""
+    import torch.nn.functional as F
+
+    from loraplex.ops.reference.quant import dequantized_activations
+
+    def fake(x):
+        return dequantized_activations(x, block).to(x.dtype)
+
+    names = re.compile(r"(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)(\.base_layer)?$")
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and names.search(name):
+            module.register_forward_pre_hook(lambda m, args: (fake(args[0]), *args[1:]))
+        elif type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            if getattr(module, "config", None) is not None:  # the loop over experts, through F.linear
+                module.config._experts_implementation = "eager"
+
+            def forward(*args, _forward=module.forward, **kwargs):
+                linear = F.linear
+                F.linear = lambda x, w, b=None: linear(fake(x), w, b)
+                try:
+                    return _forward(*args, **kwargs)
+                finally:
+                    F.linear = linear
+            module.forward = forward
+
+
+def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False, act_block: int = 0) -> None:
     """Each prompt's logprobs against transformers (+ PEFT) on the dequantized twin,
     served in one batch with base rows beside the adapter's (MoE: test_moe's criterion,
-    as a bf16 router near a tie may pick another expert)."""
+    as a bf16 router near a tie may pick another expert). act_block: the twin quantizes
+    its linear layers' inputs as W8A8 serving does (quantize_linear_inputs)."""
     from conftest import HFOracle, tolerance
     from test_moe import _assert_close
 
@@ -103,6 +135,9 @@ def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False) ->
     oracles = {None: HFOracle(oracle_dir)}
     if lora is not None:
         oracles[lora] = HFOracle(oracle_dir, adapter_dir)
+    if act_block:
+        for oracle in oracles.values():
+            quantize_linear_inputs(oracle.model, act_block)
     for p, out, adapter in zip(prompts, outs, loras):
         want = oracles[adapter].prompt_logprobs(p)
         if moe:

@@ -16,16 +16,20 @@ import json
 
 from sm90_codegen import compile_sm90, const, widths
 
-SHAPES = {"mxfp4": (2880, 2880, 4), "fp8": (2048, 768, 8)}  # H, I, top_k
+SHAPES = {"mxfp4": (2880, 2880, 4), "fp8": (2048, 768, 8), "w8a8": (2048, 768, 8)}  # H, I, top_k
 
 
 def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
-    """The arguments the two kernels share, for weight [E, N(x2 if fused), K]."""
+    """The arguments the two kernels share, for weight [E, N(x2 if fused), K] (w8a8: the
+    FP8 weight with e4m3 activations)."""
     mx = fmt == "mxfp4"
+    a8 = fmt == "w8a8"
+    fmt = "fp8" if a8 else fmt
     row_bytes, scales = (k // 2, k // 32) if mx else (k, -(-k // 128))
     rows = 2 * n if fuse else n
     return dict(
-        a_ptr="*bf16", w_ptr="*u8" if mx else "*fp8e4nv", scale_ptr="*u8" if mx else "*fp32",
+        a_ptr="*fp8e4nv" if a8 else "*bf16", w_ptr="*u8" if mx else "*fp8e4nv",
+        scale_ptr="*u8" if mx else "*fp32",
         bias_ptr="*bf16", out_ptr="*bf16", weights_ptr="*fp32", delta_ptr="*fp32", token_slot_ptr="*i32",
         slot_mask_ptr="*i32", N=n, K_STORED=k // 2 if mx else k, num_pairs=5, limit=7.0,
         stride_am=k, stride_ak=1, stride_we=rows * row_bytes, stride_wn=row_bytes, stride_wk=1,
@@ -38,16 +42,20 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
 
 
 def _gemm_args(fmt: str, path: str = "mx") -> dict:
-    """The grouped GEMM's own: how bf16 MXFP4 experts become operands (mxfp4_path)."""
-    return dict(MXFP4_PATH=const(path if fmt == "mxfp4" else "hand"))
+    """The grouped GEMM's own: how bf16 MXFP4 experts become operands (mxfp4_path); the
+    activations' scales (W8A8)."""
+    a8 = fmt == "w8a8"
+    return dict(MXFP4_PATH=const(path if fmt == "mxfp4" else "hand"), a_scale_ptr="*fp32",
+                stride_asm=16, W8A8=const(a8), ACT_BLOCK=const(128 if a8 else 1))
 
 
 def kernels() -> dict:
     gemm_mod = importlib.import_module("loraplex.ops.triton.moe_gemm_quant")
     gemv_mod = importlib.import_module("loraplex.ops.triton.moe_gemv_quant")
-    defaults = importlib.import_module("loraplex.ops.triton.moe_gemm").DEFAULT_CONFIGS
+    moe_gemm = importlib.import_module("loraplex.ops.triton.moe_gemm")
     out = {}
     for fmt, (h, i, top_k) in SHAPES.items():
+        defaults = moe_gemm.W8A8_DEFAULT_CONFIGS if fmt == "w8a8" else moe_gemm.DEFAULT_CONFIGS
         for fuse in (True, False):
             n, k = (i, h) if fuse else (h, i)
             name = f"{fmt} {'gate_up' if fuse else 'down'}"
@@ -65,6 +73,8 @@ def kernels() -> dict:
                 compiled = compile_sm90(gemm_mod._moe_gemm_quant_kernel, args, cfg["num_warps"],
                                         cfg["num_stages"])
                 out[f"gemm {name} {rows}"] = widths(compiled.asm["ptx"])
+            if fmt == "w8a8":  # no GEMV form
+                continue
             cfg = gemv_mod.GEMV_CONFIG
             block_k = next(b for b in (cfg["BLOCK_K"], 64, 32) if k % b == 0)
             for ptx in (False, True) if fmt == "mxfp4" else (False,):

@@ -118,26 +118,32 @@ def test_fp8_gemm_leading_dims_empty_inputs_and_dispatch(monkeypatch):
 def test_fp8_gemm_compiles_for_sm90():
     """Both forms and the scale lookups compile for an H100/H200 (no GPU needed: the
     interpreter accepts code the compiler does not), fit in shared memory, and read W
-    in 16-byte vectors (the step's bytes: 1 per weight)."""
+    in 16-byte vectors (the step's bytes: 1 per weight); W8A8 multiplies e4m3 on wgmma."""
     script = r"""
-import json, sys
+import json, re, sys
 sys.path.insert(0, sys.argv[1])
 from sm90_codegen import compile_sm90, const, widths
 from loraplex.ops.triton import fp8_configs
 from loraplex.ops.triton.fp8_gemm import _fp8_gemm_kernel, scale_mode
 out = {}
 n, k = 6144, 4096
-for t, block in [(1, 128), (4, 4096), (16, 128), (64, 128), (2048, 128), (2048, 4096)]:
-    cfg = fp8_configs.default_config(t)
+for t, block, a8 in [(1, 128, 0), (4, 4096, 0), (16, 128, 0), (64, 128, 0), (2048, 128, 0), (2048, 4096, 0),
+                     (1, 128, 1), (16, 128, 1), (64, 128, 1), (2048, 128, 1)]:
+    cfg = fp8_configs.default_config(t, bool(a8))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    args = dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr="*bf16", y_ptr="*bf16",
-                T=t, N=n, K=k, stride_xt=k, stride_qn=k, stride_sn=-(-k // block), stride_yt=n,
+    args = dict(x_ptr="*fp8e4nv" if a8 else "*bf16", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
+                bias_ptr="*bf16", y_ptr="*bf16",
+                T=t, N=n, K=k, stride_xt=k, stride_xst=k // 128, stride_qn=k, stride_sn=-(-k // block),
+                stride_yt=n,
                 HAS_BIAS=const(True), SCALE_BLOCK=const(block), SCALES=const(scale_mode(block, k, bk)),
+                W8A8=const(bool(a8)), ACT_BLOCK=const(128 if a8 else 1),
                 W_DTYPE=const("bfloat16"), X_DTYPE=const("bfloat16"), GEMV=const(bm < 16),
                 BLOCK_M=const(bm), BLOCK_N=const(bn), BLOCK_K=const(bk), GROUP_M=const(cfg["GROUP_M"]),
                 EVEN_K=const(True), EVEN_N=const(True), DOT_PRECISION=const("tf32"), UPCAST=const(False))
     c = compile_sm90(_fp8_gemm_kernel, args, cfg["num_warps"], cfg["num_stages"])
-    out[f"{t}-{block}"] = dict(shared=c.metadata.shared, **widths(c.asm["ptx"]))
+    mma = sorted(set(re.findall(r"(wgmma[.a-z_]*\.m64n\d+k\d+\.f32\.\w+|mma\.sync)", c.asm["ptx"])))
+    name = f"{t}-{block}" + ("-w8a8" if a8 else "")
+    out[name] = dict(shared=c.metadata.shared, mma=mma, **widths(c.asm["ptx"]))
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -149,7 +155,9 @@ print(json.dumps(out))
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     for name, c in counts.items():
         assert 0 < c["shared"] <= 232_448, (name, c)
-        gemv = name.split("-")[0] in ("1", "4")
+        if name.endswith("w8a8"):  # e4m3 x e4m3 on wgmma at every size (the operands swap under 64 rows)
+            assert c["mma"] and all(m.startswith("wgmma") and m.endswith("e4m3") for m in c["mma"]), (name, c)
+        gemv = name.split("-")[0] in ("1", "4") and not name.endswith("w8a8")
         if gemv:  # plain loads of W, 16 bytes each
             assert c.get("ld.v4.b32", 0) >= 1, (name, c)
         else:  # pipelined copies to shared memory, and vector stores of the tile

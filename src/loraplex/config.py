@@ -40,6 +40,8 @@ class ArchitectureFacts:
 STOP_STRINGS_KEY = "loraplex_stop_strings"
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QUANTIZATION_METHODS = ("mxfp4", "fp8", "compressed-tensors", "awq", "gptq")
+# FP8 activations (--fp8-activations): left in the model's dtype, or e4m3 at run time (W8A8).
+FP8_ACTIVATIONS = ("unquantized", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class QuantConfig:
     checkpoint_format: str = ""  # gptq: "gptq" (zero points stored minus one) or "gptq_v2"
     skip: tuple[str, ...] = ()  # module path patterns (fnmatch) left unquantized
     online: bool = False  # quantized from a bf16 checkpoint at load
+    # fp8: activations quantized per token and this many columns at run time (W8A8:
+    # Fp8Weight.act_block), or 0 (weight-only). What the checkpoint asks; the engine
+    # keeps it only with --fp8-activations dynamic.
+    act_block: int = 0
 
     @classmethod
     def requested(cls, method: str, online: bool) -> QuantConfig:
@@ -68,7 +74,7 @@ class QuantConfig:
         128 columns; int4 groups of 128, symmetric for GPTQ."""
         formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
         return cls(method, formats[method], weight_block=(1, 128), group_size=128, symmetric=method == "gptq",
-                   online=online)
+                   online=online, act_block=128 if method == "fp8" else 0)
 
     @classmethod
     def from_hf(cls, arch: str, q: dict) -> QuantConfig:
@@ -91,7 +97,11 @@ class QuantConfig:
             if not (isinstance(block, list) and len(block) == 2
                     and all(isinstance(b, int) and b > 0 for b in block)):
                 unsupported(f"weight_block_size {block!r} (a [N, K] block is required)")
-            return cls(method, "fp8", weight_block=tuple(block), skip=skip)
+            # Dynamic activation scaling, as the checkpoints ask: W8A8 per token and
+            # block[1] columns (DeepSeek's and Qwen's 128), where that is a power of two
+            # the kernels can step through; weight-only otherwise.
+            act_block = block[1] if block[1] >= 32 and block[1] & (block[1] - 1) == 0 else 0
+            return cls(method, "fp8", weight_block=tuple(block), skip=skip, act_block=act_block)
         if method == "compressed-tensors":
             # llm-compressor's FP8 checkpoints (format float-quantized: e4m3 `weight` [N, K]
             # and `weight_scale` [N, 1] per channel or [1] per tensor, W = weight * scale).

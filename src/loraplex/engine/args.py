@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from loraplex.config import (
     CUDAGRAPH_MODES,
+    FP8_ACTIVATIONS,
     QUANTIZATION_METHODS,
     STOP_STRINGS_KEY,
     CacheConfig,
@@ -100,6 +101,12 @@ class EngineArgs:
         None, "fp8: quantize a bf16 checkpoint's linear weights as it loads (block-scaled e4m3); "
         "with load_format dummy, any method (mxfp4, fp8, awq, gptq) gives random weights in that "
         "format; a quantized checkpoint says its own method", choices=QUANTIZATION_METHODS)
+    fp8_activations: str = _option(
+        "unquantized", "FP8 block-scaled checkpoints and --quantization fp8: unquantized keeps "
+        "activations in the model's dtype (weight-only GEMMs, the more exact); dynamic quantizes "
+        "them to e4m3 per token and 128 columns at run time, as the checkpoints' activation_scheme "
+        "asks and vLLM runs them (W8A8: e4m3 x e4m3 on the tensor cores)",
+        choices=FP8_ACTIVATIONS)
     speculative_config: str | dict | None = _option(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
         "k, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, or a draft model of the same "
@@ -261,14 +268,30 @@ class EngineArgs:
         dense projections, fp8 on both)."""
         asked = self.quantization
         if asked is None or (checkpoint is not None and checkpoint.method == asked):
-            return checkpoint
+            return self._activations(checkpoint)
         if checkpoint is not None:
             raise ModelLoadError(f"the checkpoint is {checkpoint.method}-quantized; --quantization "
                                  f"{asked} cannot apply to it")
         if self.load_format != "dummy" and asked != "fp8":
             raise ModelLoadError(f"--quantization {asked} needs a checkpoint quantized so, or "
                                  "--load-format dummy (only fp8 quantizes a bf16 checkpoint as it loads)")
-        return QuantConfig.requested(asked, online=self.load_format != "dummy")
+        return self._activations(QuantConfig.requested(asked, online=self.load_format != "dummy"))
+
+    def _activations(self, quant: QuantConfig | None) -> QuantConfig | None:
+        """quant with the FP8 activations asked for (--fp8-activations)."""
+        if self.fp8_activations not in FP8_ACTIVATIONS:
+            raise ValueError(f"fp8_activations must be one of {', '.join(FP8_ACTIVATIONS)}, "
+                             f"got {self.fp8_activations!r}")
+        if quant is None or quant.format != "fp8":
+            return quant
+        if self.fp8_activations == "unquantized":
+            return replace(quant, act_block=0)
+        if not quant.act_block:
+            raise ModelLoadError(f"--fp8-activations dynamic: {quant.method} checkpoints with weight blocks "
+                                 f"{quant.weight_block} are served weight-only only (dynamic activations "
+                                 "need K blocks of a power of two, 32 columns or more); use "
+                                 "--fp8-activations unquantized")
+        return quant
 
     def create_engine(self) -> LLMEngine:
         """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings

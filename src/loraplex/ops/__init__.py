@@ -64,7 +64,9 @@ Weight = torch.Tensor | QuantizedWeight
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics: x @ W.T + bias, W [N, K] a tensor or a quantized weight read as
-    dequantize(W) (ops/formats): activations are not quantized. x [T, K] -> [T, N]."""
+    dequantize(W) (ops/formats): activations are not quantized, except for a W8A8
+    Fp8Weight (act_block: x quantized per token first, e4m3 products summed in float32,
+    ops.reference.quant.linear). x [T, K] -> [T, N]."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     return _impl.quant_linear(x, weight, bias)
@@ -409,7 +411,8 @@ def fused_experts(
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows; a tensor or a quantized
-    weight, read as dequantize(w)), b_gate_up [E, 2I];
+    weight, read as dequantize(w); W8A8 Fp8Weights quantize each GEMM's input, x and
+    the activation's output, as ops.linear does), b_gate_up [E, 2I];
     w_down [E, H, I], b_down [E, H]; activation "silu", "gelu_tanh" (act(g) * u) or
     "swiglu_oai" (gpt-oss: clamped at swiglu_limit, g * sigmoid(1.702 g) * (u + 1)).
     With `lora`, a token in slot s adds (x A_se^T) B_se^T to gate_up_e's output

@@ -9,7 +9,11 @@ which is every kernel's oracle. Adapters never see these: LoRA deltas stay bf16 
 - Fp8Weight: W[n, k] = data[n, k] * scale[n, k // block_k] (e4m3). Block-scaled
   checkpoints ([128, 128] blocks, weight_scale_inv) keep one scale per row and 128 K
   columns (a block's scale repeated over its rows: fused slices need not align to 128
-  rows); per-channel ones block_k = K.
+  rows); per-channel ones block_k = K. Ops read dequantize(W) and leave the
+  activations as they are, unless `act_block` is set (W8A8, `--fp8-activations
+  dynamic` on block-scaled weights, as their configs' activation_scheme asks): then the
+  activations are quantized too, per token and block_k columns, and the GEMM
+  multiplies e4m3 by e4m3.
 - Int4Weight: W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group], q unsigned
   4-bit (AWQ, GPTQ; symmetric ones have zero 8).
 - Mxfp4Weight: W[n, k] = e2m1(q[n, k]) * 2^(e[n, k // 32] - 127) (OCP MXFP4, gpt-oss).
@@ -52,10 +56,16 @@ class QuantizedWeight(nn.Module):
 
 
 class Fp8Weight(QuantizedWeight):
-    def __init__(self, shape: tuple[int, ...], block_k: int, dtype: torch.dtype, device=None):
+    """act_block: 0, activations stay in `dtype` (weight-only: ops read dequantize(W));
+    else W8A8: activations quantized at run time to e4m3 per token and act_block
+    columns (ops/reference/quant.quantize_activations); act_block is then block_k, a
+    power of two of at least 32 (a K step of the kernels lies in one block of both)."""
+
+    def __init__(self, shape: tuple[int, ...], block_k: int, dtype: torch.dtype, device=None,
+                 act_block: int = 0):
         super().__init__()
         *lead, n, k = shape
-        self.block_k, self.dtype = block_k, dtype
+        self.block_k, self.dtype, self.act_block = block_k, dtype, act_block
         self.register_buffer("data", torch.empty(shape, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("scale", torch.empty(*lead, n, -(-k // block_k), dtype=torch.float32,
                                                   device=device))

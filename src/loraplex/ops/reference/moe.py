@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.metadata import MoELoRA
-from loraplex.ops.reference.quant import dequantize
+from loraplex.ops.reference.quant import dequantize, dequantized_activations, fp8_values, w8a8
 
 SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
 
@@ -54,7 +54,11 @@ def fused_experts(
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
     the adapter delta per (slot, expert) group of those pairs. One stream."""
-    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else dequantize(w) for w in (w_gate_up, w_down))
+    # W8A8 experts: each GEMM's input quantized per row (x, then h), e4m3 products in float32.
+    act_gu, act_d = (w.act_block if w8a8(w) else 0 for w in (w_gate_up, w_down))
+    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else fp8_values(w) if w8a8(w) else dequantize(w)
+                         for w in (w_gate_up, w_down))
+    x_gu = dequantized_activations(x, act_gu) if act_gu else x
     t, k = topk_ids.shape
     if routing_stats is not None:
         hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)
@@ -67,11 +71,12 @@ def fused_experts(
     for e in topk_ids.unique().tolist():
         tok, j = torch.where(topk_ids == e)
         xe = x[tok]
-        gate_up = F.linear(xe, w_gate_up[e], None if b_gate_up is None else b_gate_up[e]).float()
+        gate_up = _expert_linear(x_gu[tok], w_gate_up[e], None if b_gate_up is None else b_gate_up[e])
         if lora is not None:
             gate_up += _lora_delta(xe, slot[tok], lora.a_gate_up[:, e], lora.b_gate_up[:, e])
         h = apply_activation(gate_up, activation, swiglu_limit).to(x.dtype)
-        y = F.linear(h, w_down[e], None if b_down is None else b_down[e]).float()
+        h_d = dequantized_activations(h, act_d) if act_d else h
+        y = _expert_linear(h_d, w_down[e], None if b_down is None else b_down[e])
         if lora is not None:
             y += _lora_delta(h, slot[tok], lora.a_down[:, e], lora.b_down[:, e])
         y = y * topk_weights[tok, j, None].float()
@@ -80,6 +85,12 @@ def fused_experts(
         else:
             out[tok, j] = y.to(x.dtype)
     return out.to(x.dtype)
+
+
+def _expert_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 x @ w.T + bias: in x's dtype as the weight-only GEMM, or in float32 (W8A8:
+    x and w are float32 values of e4m3 operands)."""
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
 
 
 def _lora_delta(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor):

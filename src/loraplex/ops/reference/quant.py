@@ -45,7 +45,45 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if w8a8(w):  # e4m3 products, float32 sums, rounded once
+        bias = None if bias is None else bias.float()
+        return F.linear(dequantized_activations(x, w.act_block), fp8_values(w), bias).to(x.dtype)
     return F.linear(x, dequantize(w).to(x.dtype), bias)
+
+
+# -- W8A8: activations quantized at run time (Fp8Weight.act_block) ------------------------
+
+# A block of zeros keeps a tiny scale (its values stay 0), never a division by zero.
+ACT_MIN_AMAX = 1e-10
+
+
+def w8a8(w) -> bool:
+    """Whether ops on w quantize their activations (Fp8Weight.act_block)."""
+    return isinstance(w, Fp8Weight) and w.act_block > 0
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic FP8 activations, per row and `block` columns: scale = max(amax,
+    ACT_MIN_AMAX) / 448 (float32), q = x * (1 / scale) rounded to e4m3 (nearest even;
+    a multiply by the reciprocal, which kernels do cheaply, not a division per value).
+    Returns (q [..., K] e4m3, scale [..., ceil(K / block)] float32): x ~= q * scale."""
+    k = x.shape[-1]
+    blocks = F.pad(x.float(), (0, -k % block)).unflatten(-1, (-1, block))
+    scale = blocks.abs().amax(-1).clamp_min(ACT_MIN_AMAX) / FP8_MAX
+    q = (blocks * (1.0 / scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2)[..., :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 q * scale of quantize_activations: the activations a W8A8 GEMM multiplies."""
+    q, scale = quantize_activations(x, block)
+    k = x.shape[-1]
+    return q.float() * scale.repeat_interleave(block, dim=-1)[..., :k]
+
+
+def fp8_values(w: Fp8Weight) -> torch.Tensor:
+    """data * scale in float32, unrounded: the weight a W8A8 GEMM multiplies."""
+    return w.data.float() * w.scale.repeat_interleave(w.block_k, dim=-1)[..., :w.shape[-1]]
 
 
 # -- quantizers (random weights, load-time quantization, tests) --------------------------

@@ -1,5 +1,13 @@
-"""Dense GEMM of an FP8 weight, dequantized in registers:
+"""Dense GEMM of an FP8 weight: weight-only (W dequantized in registers) or W8A8.
+
+Weight-only (Fp8Weight.act_block 0):
 y[t, n] = sum_k x[t, k] * Wd[n, k] + bias[n], Wd = dequantize(W) (ops.linear's semantics).
+W8A8 (act_block set: block-scaled checkpoints, `--quantization fp8`): x is quantized to
+e4m3 rows first (fp8_activations.py), and each K step (inside one scale block of x and
+of W) is an e4m3 x e4m3 MMA scaled by the two blocks' scales, float32 sums, rounded
+once (ops.reference.quant.linear). Tiles at every token count; under 64 rows the
+operands swap (W's rows on the MMA's M side) so that Hopper runs wgmma on e4m3.
+The rest of this note is the weight-only kernel.
 
 W is an Fp8Weight (ops/formats): e4m3 data [N, K] and float32 scale [N, ceil(K /
 block_k)] (block_k 128 for block-scaled checkpoints and load-time quantization, K per
@@ -36,8 +44,12 @@ import triton.language as tl
 
 from loraplex.ops.formats import Fp8Weight
 from loraplex.ops.reference.quant import linear as reference_linear
-from loraplex.ops.triton.fp8_configs import gemm_config
+from loraplex.ops.reference.quant import w8a8
+from loraplex.ops.triton.fp8_activations import quantize_activations
+from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
+from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
+from loraplex.ops.triton.quant_tiles import fp8_w8a8_step
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -61,10 +73,11 @@ def round_to(v, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _fp8_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, bias_ptr, y_ptr,
+    x_ptr, xs_ptr, q_ptr, s_ptr, bias_ptr, y_ptr,
     T, N, K,
-    stride_xt, stride_qn, stride_sn, stride_yt,
+    stride_xt, stride_xst, stride_qn, stride_sn, stride_yt,
     HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALES: tl.constexpr,
+    W8A8: tl.constexpr, ACT_BLOCK: tl.constexpr,
     W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -91,36 +104,50 @@ def _fp8_gemm_kernel(
         row_scale = tl.load(s_cols, mask=n_mask, other=0.0)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
-            q = tl.load(w_cols + k[:, None], mask=n_mask[None, :], other=0.0)
-        else:
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
-            q = tl.load(w_cols + k[:, None], mask=n_mask[None, :] & (k < K)[:, None], other=0.0)
-        wf = q.to(tl.float32)
-        if SCALES == "row":
-            wf = wf * row_scale
-        elif SCALES == "tile":  # the tile lies in one scale block
-            wf = wf * tl.load(s_cols + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)[None, :]
-        elif SCALES == "split":  # whole scale blocks: [BLOCK_K / SCALE_BLOCK, BLOCK_N] scales
-            sb = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
-            s = tl.load(s_cols[None, :] + sb[:, None], mask=n_mask[None, :] & (sb * SCALE_BLOCK < K)[:, None],
-                        other=0.0)
-            wf = tl.reshape(tl.reshape(wf, (BLOCK_K // SCALE_BLOCK, SCALE_BLOCK, BLOCK_N)) * s[:, None, :],
-                            (BLOCK_K, BLOCK_N))
-        else:  # "gather": a scale per element
-            wf = wf * tl.load(s_cols[None, :] + (k // SCALE_BLOCK)[:, None],
-                              mask=n_mask[None, :] & (k < K)[:, None], other=0.0)
-        # dequantize(W) as the oracle rounds it: to the weight's dtype, then to x's.
-        w = round_to(round_to(wf, W_DTYPE, UPCAST), X_DTYPE, UPCAST)
-        if GEMV:  # products and a reduction over K in registers (float32)
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
-        elif UPCAST:
-            acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
+    if W8A8:  # x e4m3 too: e4m3 MMAs, each step scaled by x's and W's scales (one block each)
+        xs_rows = xs_ptr + offs_m.to(tl.int64) * stride_xst
+        SWAP: tl.constexpr = BLOCK_M < 64  # W's rows on the MMA's M side (fp8_w8a8_step)
+        if SWAP:  # the sum transposed, [BLOCK_N, BLOCK_M], until the epilogue
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            x = row_tile(x_rows, k, K, m_mask, 1, EVEN_K, UPCAST)
+            x_scale = tl.load(xs_rows + k0 // ACT_BLOCK, mask=m_mask, other=0.0)
+            acc += fp8_w8a8_step(x, x_scale, w_cols, s_cols[None, :], k, k0, K, n_mask, 1, 1, SCALE_BLOCK,
+                                 EVEN_K, UPCAST, SWAP)
+        if SWAP:
+            acc = tl.trans(acc)
+    else:  # weight-only: W dequantized to x's dtype in registers
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            if EVEN_K:
+                x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
+                q = tl.load(w_cols + k[:, None], mask=n_mask[None, :], other=0.0)
+            else:
+                x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+                q = tl.load(w_cols + k[:, None], mask=n_mask[None, :] & (k < K)[:, None], other=0.0)
+            wf = q.to(tl.float32)
+            if SCALES == "row":
+                wf = wf * row_scale
+            elif SCALES == "tile":  # the tile lies in one scale block
+                wf = wf * tl.load(s_cols + k0 // SCALE_BLOCK, mask=n_mask, other=0.0)[None, :]
+            elif SCALES == "split":  # whole scale blocks: [BLOCK_K / SCALE_BLOCK, BLOCK_N] scales
+                sb = k0 // SCALE_BLOCK + tl.arange(0, BLOCK_K // SCALE_BLOCK)
+                s = tl.load(s_cols[None, :] + sb[:, None],
+                            mask=n_mask[None, :] & (sb * SCALE_BLOCK < K)[:, None], other=0.0)
+                wf = tl.reshape(wf, (BLOCK_K // SCALE_BLOCK, SCALE_BLOCK, BLOCK_N)) * s[:, None, :]
+                wf = tl.reshape(wf, (BLOCK_K, BLOCK_N))
+            else:  # "gather": a scale per element
+                wf = wf * tl.load(s_cols[None, :] + (k // SCALE_BLOCK)[:, None],
+                                  mask=n_mask[None, :] & (k < K)[:, None], other=0.0)
+            # dequantize(W) as the oracle rounds it: to the weight's dtype, then to x's.
+            w = round_to(round_to(wf, W_DTYPE, UPCAST), X_DTYPE, UPCAST)
+            if GEMV:  # products and a reduction over K in registers (float32)
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            elif UPCAST:
+                acc += tl.dot(x.to(tl.float32), w, input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -155,15 +182,21 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     assert scale.shape == (n, triton.cdiv(k, w.block_k)), (scale.shape, w.block_k)
     if bias is not None:
         assert bias.shape == (n,) and bias.stride(0) == 1, bias.shape
-    cfg = cfg or gemm_config(n, k, x.dtype, t, x.device)
+    a8 = w8a8(w)
+    cfg = cfg or gemm_config(n, k, x.dtype, t, x.device, w8a8=a8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if a8:  # e4m3 rows and their scales; a K step inside one block of each
+        assert bm >= MIN_DOT_M and w.act_block == w.block_k, (cfg, w.act_block, w.block_k)
+        bk = min(bk, w.act_block)
+    xq, xs = quantize_activations(x2, w.act_block) if a8 else (x2, scale)
     grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](
-        x2, data, scale, bias if bias is not None else scale, y,
+        xq, xs, data, scale, bias if bias is not None else scale, y,
         t, n, k,
-        x2.stride(0), data.stride(0), scale.stride(0), y.stride(0),
+        xq.stride(0), xs.stride(0), data.stride(0), scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SCALE_BLOCK=w.block_k, SCALES=scale_mode(w.block_k, k, bk),
-        W_DTYPE=_DTYPES[w.dtype], X_DTYPE=_DTYPES[x.dtype], GEMV=bm < 16,
+        W8A8=a8, ACT_BLOCK=max(w.act_block, 1),
+        W_DTYPE=_DTYPES[w.dtype], X_DTYPE=_DTYPES[x.dtype], GEMV=bm < MIN_DOT_M,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, **dot_settings(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -16,7 +16,9 @@ own, added ~40% to the error.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored, never
 dequantized in memory: the grouped GEMM's quantized variant (moe_gemm_quant.py), or,
 for steps of no more pairs than experts (decode), one program per pair and column
-block (moe_gemv_quant.py), which needs no expert alignment. The expert LoRA kernels
+block (moe_gemv_quant.py), which needs no expert alignment. W8A8 experts (Fp8Weight
+with act_block) take the grouped GEMM at every size, each GEMM's input (x, then h)
+quantized to e4m3 rows first (fp8_activations.py); the adapters read them unquantized. The expert LoRA kernels
 are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
 are dequantized on each call.)
 Every launch reads only device tensors and its grid depends on shapes only (no host
@@ -29,7 +31,8 @@ import torch
 
 from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
-from loraplex.ops.reference.quant import dequantize
+from loraplex.ops.reference.quant import dequantize, w8a8
+from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
@@ -63,15 +66,23 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
     more pairs than experts: moe_gemv_quant.py) or "gemm" (the grouped GEMM over aligned
     pair blocks: moe_gemm.py, moe_gemm_quant.py)."""
     quantized = isinstance(w_gate_up, KERNEL_FORMATS) and isinstance(w_down, KERNEL_FORMATS)
-    gemv = quantized and num_tokens * top_k <= GEMV_PAIRS_PER_EXPERT * w_gate_up.shape[0]
+    # W8A8 experts multiply e4m3 by e4m3 on tensor cores at any size (the GEMV form's
+    # gain is that it skips converting W; theirs needs no conversion).
+    gemv = (quantized and not w8a8(w_gate_up) and not w8a8(w_down)
+            and num_tokens * top_k <= GEMV_PAIRS_PER_EXPERT * w_gate_up.shape[0])
     return "gemv" if gemv else "gemm"
 
 
 def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **epilogue) -> None:
     """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (which
-    alone takes lora_b: the delta given as shrunk rows)."""
+    alone takes lora_b: the delta given as shrunk rows). W8A8 weights quantize `a`
+    first (its rows, once for all their pairs)."""
     if align is None:
         moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
+    elif w8a8(w):
+        assert lora_b is None
+        a_q, a_scale = quantize_activations(a, w.act_block)
+        moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, **epilogue)
     else:
         assert lora_b is None
         gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm

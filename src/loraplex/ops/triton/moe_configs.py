@@ -4,7 +4,7 @@ One file per device, GEMM shape and dtype, written by `loraplex tune` (bench/tun
 `moe_gemm_<device>_E<E>_N<N>_K<K>_<dtype>.json`, where the weight is [E, N, K] (the
 gate/up GEMM: N = 2I, K = H; the down GEMM: N = H, K = I). Quantized experts' GEMM
 (moe_gemm_quant.py) has files of its own, `moe_gemm_<format>_<device>_...` (format
-mxfp4 or fp8; dtype the activations'). Keys are token counts, values the kernel's
+mxfp4, fp8 or w8a8; dtype the activations'). Keys are token counts, values the kernel's
 constexprs. A batch takes the entry of the nearest token count.
 Files are looked up in $LORAPLEX_MOE_CONFIG_DIR (os.pathsep-separated directories),
 then in the package's configs/ directory.
@@ -39,8 +39,11 @@ def _device_name(index: int) -> str:
 
 
 def weight_format(w) -> str | None:
-    """The format a weight's GEMM configs are tuned for: None (a tensor), "mxfp4", "fp8"."""
-    return "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+    """The format a weight's GEMM configs are tuned for: None (a tensor), "mxfp4", "fp8",
+    "w8a8" (FP8 with e4m3 activations: another kernel path)."""
+    if isinstance(w, Fp8Weight):
+        return "w8a8" if w.act_block else "fp8"
+    return "mxfp4" if isinstance(w, Mxfp4Weight) else None
 
 
 def config_file_name(device: str, num_experts: int, n: int, k: int, dtype: torch.dtype,

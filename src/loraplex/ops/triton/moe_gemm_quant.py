@@ -47,6 +47,7 @@ import triton.language as tl
 from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
+from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_epilogue import finish_pairs
@@ -55,6 +56,7 @@ from loraplex.ops.triton.quant_tiles import (
     even_odd,
     format_args,
     fp8_cols,
+    fp8_w8a8_step,
     mxfp4_bf16_cols,
     mxfp4_cols,
     mxfp4_packed_cols,
@@ -66,12 +68,14 @@ MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
 def _moe_gemm_quant_kernel(
-    a_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
+    a_ptr, a_scale_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr,
+    slot_mask_ptr,
     sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
     N, K_STORED, num_pairs, num_blocks, limit,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_am, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_bn, stride_om, stride_on, stride_dm,
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
+    W8A8: tl.constexpr, ACT_BLOCK: tl.constexpr,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
     HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -136,6 +140,24 @@ def _moe_gemm_quant_kernel(
                                         BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
                 acc_up = tl.dot(a_even, lo, acc_up, input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a_odd, hi, acc_up, input_precision=DOT_PRECISION)
+    elif W8A8:  # fp8, A quantized too (e4m3 rows, a scale per row and ACT_BLOCK columns)
+        as_rows = a_scale_ptr + rows * stride_asm
+        SWAP: tl.constexpr = BLOCK_M < 64  # W's rows on the MMA's M side (fp8_w8a8_step)
+        if SWAP:  # the sums transposed, [BLOCK_N, BLOCK_M], until the epilogue
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            a = row_tile(a_rows, k, K, m_mask, stride_ak, EVEN_K, UPCAST)
+            a_scale = tl.load(as_rows + k0 // ACT_BLOCK, mask=m_mask, other=0.0)
+            acc += fp8_w8a8_step(a, a_scale, w_cols, s_cols, k, k0, K, n_mask, stride_wk, stride_sk,
+                                 SCALE_BLOCK, EVEN_K, UPCAST, SWAP)
+            if FUSE_ACT:
+                acc_up += fp8_w8a8_step(a, a_scale, up_cols, up_s_cols, k, k0, K, n_mask, stride_wk,
+                                        stride_sk, SCALE_BLOCK, EVEN_K, UPCAST, SWAP)
+        if SWAP:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
     else:  # fp8
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
@@ -160,30 +182,39 @@ def moe_gemm_quant(
     align: Alignment, cfg: dict, row_div: int, activation: str | None = None,
     limit: float = math.inf, routed_weights: torch.Tensor | None = None,
     delta: torch.Tensor | None = None, lora: MoELoRA | None = None, top_k: int = 1,
+    a_scale: torch.Tensor | None = None,
 ) -> None:
     """moe_gemm (moe_gemm.py, same arguments) with w a quantized weight of logical shape
-    [E, N, K], read as dequantize(w)."""
+    [E, N, K], read as dequantize(w); or, W8A8 (an Fp8Weight with act_block), `a` the
+    e4m3 rows and `a_scale` their scales (fp8_activations.quantize_activations)."""
     assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
     e, n_w, k = w.shape
     n = n_w // 2 if activation else n_w
     assert a.shape[1] == k and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
-    assert a.dtype == w.dtype, (a.dtype, w.dtype)
+    a8 = w8a8(w)
+    assert (a_scale is not None) == a8 and a.dtype == (torch.float8_e4m3fn if a8 else w.dtype), (
+        a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
     if delta is not None:
         assert lora is not None and delta.shape == (align.num_pairs, n_w) and delta.stride(1) == 1
     block_k = max(cfg["BLOCK_K"], MIN_BLOCK_K)
+    if a8:  # a K step inside one block of a's and of w's scales
+        assert w.act_block == w.block_k, (w.act_block, w.block_k)
+        block_k = min(block_k, w.act_block)
     grid = (align.num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_quant_kernel[grid](
-        a, w.data, w.scale, bias if bias is not None else a, out,
-        routed_weights if routed_weights is not None else a, delta if delta is not None else a,
-        lora.token_slot if lora is not None else a,
-        lora.slot_mask if lora is not None and lora.slot_mask is not None else a,
+        a, a_scale if a8 else w.scale, w.data, w.scale, bias if bias is not None else w.scale, out,
+        routed_weights if routed_weights is not None else w.scale, delta if delta is not None else w.scale,
+        lora.token_slot if lora is not None else w.scale,
+        lora.slot_mask if lora is not None and lora.slot_mask is not None else w.scale,
         align.sorted_ids, align.block_groups, align.num_valid,
         n, w.data.shape[-1], align.num_pairs, align.num_blocks, limit,
-        *a.stride(), *w.data.stride(), *w.scale.stride(), *(bias.stride() if bias is not None else (0, 0)),
+        *a.stride(), a_scale.stride(0) if a8 else 0, *w.data.stride(), *w.scale.stride(),
+        *(bias.stride() if bias is not None else (0, 0)),
         *out.stride(), delta.stride(0) if delta is not None else 0,
-        **format_args(w, block_k), ROW_DIV=row_div, HAS_BIAS=bias is not None,
+        **format_args(w, block_k), W8A8=a8, ACT_BLOCK=w.act_block if a8 else 1, ROW_DIV=row_div,
+        HAS_BIAS=bias is not None,
         FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
         USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,

@@ -248,6 +248,39 @@ def fp8_cols(cols, scale_cols, k, k0, K, col_mask, stride_k, stride_sk, SCALE_BL
     return fp8_values(cols + k[:, None] * stride_k, scale, mask, like_ptr, UPCAST)
 
 
+@triton.jit
+def fp8_w8a8_step(a, a_scale, cols, scale_cols, k, k0, K, col_mask, stride_k, stride_sk,
+                  SCALE_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                  SWAP: tl.constexpr):
+    """One K step of a W8A8 product, float32 [M, N] (SWAP: its transpose, [N, M]): a
+    [M, BLOCK_K] e4m3 (float32 under the interpreter) times W.T at k as stored (e4m3:
+    the MMA takes both as they are), scaled by a_scale [M] (a's block) and the columns'
+    scale of the step's block (the step lies inside one block of each). SWAP puts W's
+    rows on the MMA's M side: Hopper's wgmma needs 64 rows there, so a decode block of
+    16 pairs would otherwise run mma.sync on operands converted to f16."""
+    if SWAP:
+        rows = tl.trans(cols)  # [N, 1]
+        mask = col_mask[:, None] if EVEN_K else col_mask[:, None] & (k < K)[None, :]
+        w = tl.load(rows + k[None, :] * stride_k, mask=mask, other=0.0)
+        w_scale = tl.load(tl.trans(scale_cols) + (k0 // SCALE_BLOCK) * stride_sk, mask=col_mask[:, None],
+                          other=0.0)
+        if UPCAST:
+            part = tl.dot(w.to(tl.float32), tl.trans(a), input_precision="ieee")
+        else:
+            part = tl.dot(w, tl.trans(a))
+        part = part * (w_scale * a_scale[None, :])
+    else:
+        mask = col_mask[None, :] if EVEN_K else col_mask[None, :] & (k < K)[:, None]
+        w = tl.load(cols + k[:, None] * stride_k, mask=mask, other=0.0)
+        w_scale = tl.load(scale_cols + (k0 // SCALE_BLOCK) * stride_sk, mask=col_mask[None, :], other=0.0)
+        if UPCAST:
+            part = tl.dot(a, w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, w)
+        part = part * (a_scale[:, None] * w_scale)
+    return part
+
+
 # The formats the quantized expert kernels read (others, int4, are dequantized first).
 KERNEL_FORMATS = (Mxfp4Weight, Fp8Weight)
 

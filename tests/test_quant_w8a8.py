@@ -1,0 +1,154 @@
+"""W8A8 FP8 (`--fp8-activations dynamic`): activations quantized to e4m3 per token and
+block of columns at run time, e4m3 x e4m3 products. The activation quantizer against
+its plain-torch definition bit for bit, the dense and expert GEMMs against
+ops.reference (which quantizes the activations the same way and multiplies in float32),
+and FP8 checkpoints served so against transformers (+ PEFT) on the dequantized twin
+whose linear layers quantize their inputs alike (quantized.quantize_linear_inputs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import ADAPTERS, DEVICE, DTYPE, build_tiny_model, make_llm, make_peft_adapter, random_prompts
+from quantized import check_against_twin, write_fp8_block, write_tiny_qwen3_moe
+
+from loraplex.config import QuantConfig
+from loraplex.engine.args import EngineArgs
+from loraplex.errors import ModelLoadError
+from loraplex.ops.formats import Fp8Weight
+from loraplex.ops.reference import moe as reference_moe
+from loraplex.ops.reference.quant import (
+    FP8_MAX,
+    dequantized_activations,
+    linear,
+    quantize_activations,
+    quantize_fp8,
+)
+
+pytest.importorskip("triton")
+from test_moe_ops import make_lora  # noqa: E402
+
+from loraplex.ops.triton.fp8_activations import quantize_activations as triton_quantize  # noqa: E402
+from loraplex.ops.triton.fp8_gemm import fp8_linear  # noqa: E402
+from loraplex.ops.triton.fused_moe import fused_experts  # noqa: E402
+
+# bf16: x's e4m3 rounding amplifies a bf16 ulp of difference upstream (h, in the experts)
+# into an e4m3 one now and then.
+TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 2e-2}[DTYPE]
+
+
+def w8a8_weight(shape, block_k: int, gen: torch.Generator) -> Fp8Weight:
+    w = Fp8Weight(tuple(shape), block_k, getattr(torch, DTYPE), act_block=block_k)
+    quantize_fp8(torch.randn(shape, generator=gen) * 0.05, block_k, out=w)
+    return w.to(DEVICE)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_quantized_activations_are_e4m3_per_block():
+    """x ~= q * scale, scale = amax / 448 per row and block, the block's largest value at
+    +-448, every q an e4m3 value (round trip exact), a zero block stays zero."""
+    x = torch.randn(6, 300) * torch.logspace(-6, 2, 300)
+    x[2, :128] = 0
+    q, scale = quantize_activations(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (6, 3)
+    blocks = torch.nn.functional.pad(x, (0, 84)).unflatten(1, (3, 128))
+    assert torch.equal(scale, blocks.abs().amax(-1).clamp_min(1e-10) / FP8_MAX)
+    qb = torch.nn.functional.pad(q.float(), (0, 84)).unflatten(1, (3, 128))
+    nonzero = scale > 1e-10 / FP8_MAX
+    assert torch.equal(qb.abs().amax(-1)[nonzero], torch.full_like(scale, FP8_MAX)[nonzero])
+    assert torch.equal(q[2, :128].float(), torch.zeros(128))
+    back = dequantized_activations(x, 128)
+    assert ((back - x).abs() <= 2 ** -4 * x.abs() + 2 ** -9 * scale.repeat_interleave(128, 1)[:, :300]).all()
+
+
+@pytest.mark.parametrize("t,k,block", [(1, 64, 128), (17, 256, 128), (5, 96, 32), (40, 300, 128)])
+def test_activation_quantizer_kernel_is_the_reference_bit_for_bit(t, k, block):
+    gen = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, k, generator=gen) * torch.logspace(-8, 2, k)).to(getattr(torch, DTYPE))
+    x[0, : min(k, block)] = 0  # a zero block
+    q, scale = triton_quantize(x.to(DEVICE), block)
+    want_q, want_scale = quantize_activations(x, block)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 33, 70])  # 70: 64-row tiles, the others swapped
+@pytest.mark.parametrize("n,k,block", [(48, 256, 128), (40, 64, 128), (32, 96, 32), (70, 300, 128)])
+def test_w8a8_dense_gemm_matches_the_reference(t, n, k, block):
+    gen = torch.Generator().manual_seed(n + t)
+    w = w8a8_weight((n, k), block, gen)
+    x = torch.randn(t, k, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(x.dtype).to(DEVICE)
+    got = fp8_linear(x, w, bias)
+    assert got.dtype == x.dtype and rel(got, linear(x, w, bias)) < TOL
+
+
+@pytest.mark.parametrize("t", [1, 3, 24, 300])
+@pytest.mark.parametrize("adapters", [False, True])
+def test_w8a8_experts_match_the_reference(t, adapters):
+    """Both GEMMs quantize their input (x, then the activation's output); the adapters
+    read them unquantized. (300 tokens: 75 pairs an expert, prefill's tiles.)"""
+    gen = torch.Generator().manual_seed(t)
+    e, h, i, top_k = 8, 64, 96, 2
+    w_gate_up, w_down = w8a8_weight((e, 2 * i, h), 32, gen), w8a8_weight((e, h, i), 32, gen)
+    x = torch.randn(t, h, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
+    weights, ids = torch.randn(t, e, generator=gen).softmax(-1).topk(top_k, -1)
+    weights, ids = weights.to(DEVICE), ids.int().to(DEVICE)
+    lora = make_lora(e, h, i, t, gen) if adapters else None
+    if lora is not None:
+        lora = dataclasses.replace(lora, **{f: getattr(lora, f).to(x.dtype).to(DEVICE)
+                                            for f in ("a_gate_up", "b_gate_up", "a_down", "b_down")},
+                                   token_slot=lora.token_slot.to(DEVICE), slot_mask=lora.slot_mask.to(DEVICE),
+                                   ranks=lora.ranks.to(DEVICE))
+    got = fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
+    want = reference_moe.fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
+    assert rel(got, want) < TOL
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("dense") / "qwen3", "qwen3")
+
+
+def test_fp8_checkpoint_with_dynamic_activations(dense_dir, tmp_path):
+    """A block-scaled checkpoint served W8A8, base rows beside an adapter's, against the
+    twin quantizing its linear layers' inputs alike."""
+    quantized, oracle = write_fp8_block(dense_dir, tmp_path, (16, 32))
+    adapter = make_peft_adapter(oracle, tmp_path / "adapter", seed=3, **ADAPTERS["all7-r8"])
+    llm = make_llm(quantized, fp8_activations="dynamic")
+    w = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(w, Fp8Weight) and w.act_block == 32
+    check_against_twin(llm, oracle, random_prompts(4, (5, 30), seed=2), adapter, act_block=32)
+
+
+def test_fp8_moe_checkpoint_with_dynamic_activations(tmp_path):
+    src = write_tiny_qwen3_moe(tmp_path / "moe")
+    quantized, oracle = write_fp8_block(src, tmp_path, (16, 32))
+    llm = make_llm(quantized, fp8_activations="dynamic")
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.act_block == experts.down_proj.act_block == 32
+    check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4), moe=True, act_block=32)
+
+
+def test_fp8_activations_option():
+    """Weight-only unless asked; dynamic where the checkpoint's blocks allow it, a clear
+    error where they do not (compressed-tensors, odd blocks) or for an unknown value."""
+    block = QuantConfig.from_hf("Qwen3", {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]})
+    assert block.act_block == 128
+    assert EngineArgs("m")._activations(block).act_block == 0
+    assert EngineArgs("m", fp8_activations="dynamic")._activations(block).act_block == 128
+    odd = QuantConfig.from_hf("Qwen3", {"quant_method": "fp8", "weight_block_size": [128, 96]})
+    assert odd.act_block == 0
+    with pytest.raises(ModelLoadError, match="weight-only"):
+        EngineArgs("m", fp8_activations="dynamic")._activations(odd)
+    assert QuantConfig.requested("fp8", online=True).act_block == 128
+    awq = QuantConfig.requested("awq", False)
+    assert EngineArgs("m", fp8_activations="dynamic")._activations(awq).act_block == 0
+    with pytest.raises(ValueError, match="fp8_activations"):
+        EngineArgs("m", fp8_activations="static")._activations(block)
