@@ -136,19 +136,20 @@ def test_fp8_moe_checkpoint_with_dynamic_activations(tmp_path):
 
 
 def test_fp8_activations_option():
-    """Weight-only unless asked; dynamic where the checkpoint's blocks allow it, a clear
-    error where they do not (compressed-tensors, odd blocks) or for an unknown value."""
+    """Weight-only unless asked (a draft model, read without the option, too); dynamic
+    where the weights are block-scaled FP8 in blocks the kernels step through, else a
+    clear error, as for an unknown value."""
     block = QuantConfig.from_hf("Qwen3", {"quant_method": "fp8", "activation_scheme": "dynamic",
                                           "weight_block_size": [128, 128]})
-    assert block.act_block == 128
-    assert EngineArgs("m")._activations(block).act_block == 0
-    assert EngineArgs("m", fp8_activations="dynamic")._activations(block).act_block == 128
+    assert block.act_block == 0 and EngineArgs("m")._activations(block).act_block == 0
+    dynamic = EngineArgs("m", fp8_activations="dynamic")
+    assert dynamic._activations(block).act_block == 128
+    assert dynamic._activations(QuantConfig.requested("fp8", online=True)).act_block == 128
     odd = QuantConfig.from_hf("Qwen3", {"quant_method": "fp8", "weight_block_size": [128, 96]})
-    assert odd.act_block == 0
-    with pytest.raises(ModelLoadError, match="weight-only"):
-        EngineArgs("m", fp8_activations="dynamic")._activations(odd)
-    assert QuantConfig.requested("fp8", online=True).act_block == 128
-    awq = QuantConfig.requested("awq", False)
-    assert EngineArgs("m", fp8_activations="dynamic")._activations(awq).act_block == 0
+    per_channel = QuantConfig("compressed-tensors", "fp8", weight_block=(1, 0))
+    for quant, words in ((odd, "128, 96"), (per_channel, "compressed-tensors"),
+                         (QuantConfig.requested("awq", False), "awq"), (None, "not quantized")):
+        with pytest.raises(ModelLoadError, match=words):
+            dynamic._activations(quant)
     with pytest.raises(ValueError, match="fp8_activations"):
         EngineArgs("m", fp8_activations="static")._activations(block)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,7 @@ class QuantConfig:
     skip: tuple[str, ...] = ()  # module path patterns (fnmatch) left unquantized
     online: bool = False  # quantized from a bf16 checkpoint at load
     # fp8: activations quantized per token and this many columns at run time (W8A8:
-    # Fp8Weight.act_block), or 0 (weight-only). What the checkpoint asks; the engine
-    # keeps it only with --fp8-activations dynamic.
+    # Fp8Weight.act_block, `with_dynamic_activations`), or 0 (weight-only, the default).
     act_block: int = 0
 
     @classmethod
@@ -74,7 +73,21 @@ class QuantConfig:
         128 columns; int4 groups of 128, symmetric for GPTQ."""
         formats = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4", "awq": "int4", "gptq": "int4"}
         return cls(method, formats[method], weight_block=(1, 128), group_size=128, symmetric=method == "gptq",
-                   online=online, act_block=128 if method == "fp8" else 0)
+                   online=online)
+
+    def with_dynamic_activations(self) -> QuantConfig:
+        """This FP8 quantization with its activations quantized at run time, as block-
+        scaled checkpoints' activation_scheme "dynamic" asks (and vLLM runs them): e4m3
+        per token and weight_block[1] columns (W8A8). Block-scaled FP8 only, with K
+        blocks of a power of two of 32 or more (the kernels' K steps lie in one block of
+        both scales); anything else is an UnsupportedModel naming why."""
+        block = self.weight_block[1] if self.weight_block else 0
+        if self.method != "fp8" or block < 32 or block & (block - 1):
+            what = (f"{self.method} weights" if self.method != "fp8"
+                    else f"FP8 blocks {list(self.weight_block)} (K blocks of a power of two, >= 32, needed)")
+            raise UnsupportedModel(f"dynamic FP8 activations (W8A8) apply to block-scaled FP8 weights, "
+                                   f"not to {what}")
+        return replace(self, act_block=block)
 
     @classmethod
     def from_hf(cls, arch: str, q: dict) -> QuantConfig:
@@ -97,11 +110,9 @@ class QuantConfig:
             if not (isinstance(block, list) and len(block) == 2
                     and all(isinstance(b, int) and b > 0 for b in block)):
                 unsupported(f"weight_block_size {block!r} (a [N, K] block is required)")
-            # Dynamic activation scaling, as the checkpoints ask: W8A8 per token and
-            # block[1] columns (DeepSeek's and Qwen's 128), where that is a power of two
-            # the kernels can step through; weight-only otherwise.
-            act_block = block[1] if block[1] >= 32 and block[1] & (block[1] - 1) == 0 else 0
-            return cls(method, "fp8", weight_block=tuple(block), skip=skip, act_block=act_block)
+            # activation_scheme "dynamic": served weight-only unless asked
+            # (with_dynamic_activations, --fp8-activations dynamic).
+            return cls(method, "fp8", weight_block=tuple(block), skip=skip)
         if method == "compressed-tensors":
             # llm-compressor's FP8 checkpoints (format float-quantized: e4m3 `weight` [N, K]
             # and `weight_scale` [N, 1] per channel or [1] per tensor, W = weight * scale).

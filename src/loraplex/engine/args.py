@@ -31,7 +31,7 @@ from loraplex.config import (
 )
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.tokenizer import load_tokenizer
-from loraplex.errors import ModelLoadError
+from loraplex.errors import ModelLoadError, UnsupportedModel
 from loraplex.models.registry import model_config
 from loraplex.models.tensor_parallel import shard_config
 
@@ -282,16 +282,15 @@ class EngineArgs:
         if self.fp8_activations not in FP8_ACTIVATIONS:
             raise ValueError(f"fp8_activations must be one of {', '.join(FP8_ACTIVATIONS)}, "
                              f"got {self.fp8_activations!r}")
-        if quant is None or quant.format != "fp8":
-            return quant
         if self.fp8_activations == "unquantized":
-            return replace(quant, act_block=0)
-        if not quant.act_block:
-            raise ModelLoadError(f"--fp8-activations dynamic: {quant.method} checkpoints with weight blocks "
-                                 f"{quant.weight_block} are served weight-only only (dynamic activations "
-                                 "need K blocks of a power of two, 32 columns or more); use "
-                                 "--fp8-activations unquantized")
-        return quant
+            return quant
+        if quant is None:
+            raise ModelLoadError("--fp8-activations dynamic applies to FP8 weights: this checkpoint is "
+                                 "not quantized (--quantization fp8 quantizes it as it loads)")
+        try:
+            return quant.with_dynamic_activations()
+        except UnsupportedModel as e:
+            raise ModelLoadError(f"--fp8-activations dynamic: {e}") from e
 
     def create_engine(self) -> LLMEngine:
         """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings
