@@ -457,7 +457,7 @@ def test_fp8_tuner_cli_path(tmp_path, monkeypatch, capsys):
     assert cli(["tune", "--model", "llama-3.1-8b", "--quantization", "fp8", "--batch-sizes", "1", "64",
                 "--out", str(tmp_path / "out"), *cache]) == 0
     assert calls == [("fp8", [(4096, 4096), (4096, 14336), (6144, 4096), (28672, 4096)], 128,
-                      torch.bfloat16, [1, 64], str(tmp_path / "out"))]
+                      torch.bfloat16, [1, 64], str(tmp_path / "out"), 0)]
     calls.clear()
     assert cli(["tune", "--model", "llama-3.1-8b", *cache]) == 2
     assert "not a mixture-of-experts model" in capsys.readouterr().err and not calls

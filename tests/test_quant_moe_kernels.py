@@ -301,9 +301,9 @@ def test_tuner_cli_tunes_experts_in_their_format(tmp_path, monkeypatch):
     monkeypatch.setattr(tune_moe, "tune", lambda *a: calls.append(a) or [])
     cache = ["--cache-dir", str(tmp_path / "cache")]
     assert cli(["tune", "--model", "gpt-oss-20b", "--quantization", "mxfp4", *cache]) == 0
-    assert calls[-1][:4] == (32, 2880, 2880, 4) and calls[-1][-2:] == ("mxfp4", 128)
+    assert calls[-1][:4] == (32, 2880, 2880, 4) and calls[-1][-3:] == ("mxfp4", 128, 0)
     assert cli(["tune", "--model", "gpt-oss-20b", *cache]) == 0
-    assert calls[-1][-2:] == (None, 128)
+    assert calls[-1][-3:] == (None, 128, 0)
     src, _ = prepare_model_dir("gpt-oss-20b", tmp_path / "cache")
     published = tmp_path / "gpt-oss-20b-mxfp4"
     published.mkdir()
@@ -311,7 +311,7 @@ def test_tuner_cli_tunes_experts_in_their_format(tmp_path, monkeypatch):
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     (published / "config.json").write_text(json.dumps(config))
     assert cli(["tune", "--model", str(published), *cache]) == 0
-    assert calls[-1][-2:] == ("mxfp4", 128)
+    assert calls[-1][-3:] == ("mxfp4", 128, 0)
 
 
 @pytest.fixture(scope="module")

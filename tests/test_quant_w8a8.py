@@ -153,3 +153,42 @@ def test_fp8_activations_option():
             dynamic._activations(quant)
     with pytest.raises(ValueError, match="fp8_activations"):
         EngineArgs("m", fp8_activations="static")._activations(block)
+
+
+def test_w8a8_tuner_candidates_run():
+    """The W8A8 GEMM's search space: tiles of 16 rows or more, K steps inside one
+    128-column block, pipelines of e4m3 tiles that fit; a sample computes correctly."""
+    from loraplex.bench import tune_fp8
+    from loraplex.bench.tuning import SMEM_BYTES
+
+    for t in (1, 16, 64, 4096):
+        cands = tune_fp8.candidates(t, 4096, 128, 1, w8a8=True)
+        assert cands and all(c["BLOCK_M"] >= 16 and c["BLOCK_K"] <= 128 for c in cands)
+        stage_bytes = [(c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] for c in cands]  # e4m3 x and W tiles
+        assert all(c["num_stages"] * b <= SMEM_BYTES for c, b in zip(cands, stage_bytes))
+    gen = torch.Generator().manual_seed(5)
+    w = w8a8_weight((40, 200), 128, gen)
+    x = torch.randn(9, 200, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
+    want = linear(x, w, None)
+    for cfg in tune_fp8.candidates(9, 200, 128, 1, w8a8=True)[::7]:
+        assert rel(fp8_linear(x, w, None, cfg), want) < TOL, cfg
+
+
+def test_w8a8_tuner_cli_path(tmp_path, monkeypatch, capsys):
+    """`loraplex tune --fp8-activations dynamic` tunes the W8A8 kernels (the experts' and
+    the dense GEMMs', 128-column blocks); without FP8 weights it is refused."""
+    from loraplex.bench import tune_fp8, tune_moe
+    from loraplex.entrypoints.cli import main as cli
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_fp8, "tune", lambda *a: calls.append(("fp8", *a)) or [])
+    monkeypatch.setattr(tune_moe, "tune", lambda *a: calls.append(("moe", *a)) or [])
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert cli(["tune", "--model", "qwen3-30b-a3b", "--quantization", "fp8", "--fp8-activations", "dynamic",
+                *cache]) == 0
+    assert [(c[0], c[-1]) for c in calls] == [("moe", 128), ("fp8", 128)]
+    assert calls[0][-3:-1] == ("fp8", 128)
+    calls.clear()
+    assert cli(["tune", "--model", "qwen3-30b-a3b", "--fp8-activations", "dynamic", *cache]) == 2
+    assert "FP8" in capsys.readouterr().err and not calls

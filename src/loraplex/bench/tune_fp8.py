@@ -30,19 +30,22 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 40
 GEMV_MAX_PRODUCT = 64 * 32 * 4
 
 
-def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2) -> list[dict]:
+def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2, w8a8: bool = False) -> list[dict]:
     """The search space for one token count, W [N, K] scaled per block_k columns: up to
     GEMV_MAX_TOKENS the GEMV form (BLOCK_M the count rounded up to a power of 2) beside
     tiles of 16 rows; above, tiles no taller than twice the count, pipelines that fit
     shared memory. K steps stay whole scale blocks or parts of one (no per-element
-    scale gathers), and no longer than K rounded up to a power of 2."""
+    scale gathers), and no longer than K rounded up to a power of 2. W8A8 (x in e4m3,
+    elem_bytes 1): tiles alone, K steps inside one block."""
     max_k = max(16, triton.next_power_of_2(k))
 
     def scales_ok(bk: int) -> bool:
+        if w8a8 and bk > min(block_k, max_k):
+            return False
         return bk <= max_k and scale_mode(block_k, k, bk) != "gather"
 
     out = []
-    if num_tokens <= GEMV_MAX_TOKENS:
+    if num_tokens <= GEMV_MAX_TOKENS and not w8a8:
         bm = triton.next_power_of_2(num_tokens)
         for bn, bk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8)):
             if bm * bn * bk <= GEMV_MAX_PRODUCT * warps // 4 and scales_ok(bk):
@@ -84,15 +87,17 @@ def scale_block(cfg: ModelConfig) -> int | None:
 
 
 def _best(x: torch.Tensor, w, num_tokens: int) -> dict | None:
-    return fastest(candidates(num_tokens, w.shape[1], w.block_k, x.element_size()),
+    w8a8 = bool(w.act_block)
+    return fastest(candidates(num_tokens, w.shape[1], w.block_k, 1 if w8a8 else x.element_size(), w8a8),
                    lambda cfg: lambda: fp8_linear(x, w, None, cfg),
                    f"N={w.shape[0]} K={w.shape[1]} T={num_tokens}")
 
 
 def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
-         batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None) -> list[Path]:
+         batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None, act_block: int = 0) -> list[Path]:
     """Tune the FP8 GEMM of each W [N, K] in `shapes` (scales per block_k columns, None:
-    per channel) for each token count; returns the files written."""
+    per channel; W8A8 with act_block, into files of their own) for each token count;
+    returns the files written."""
     from loraplex.ops.formats import Fp8Weight
     from loraplex.ops.reference.quant import quantize_fp8
 
@@ -102,7 +107,7 @@ def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
     name = device_name(dev)
     paths = []
     for n, k in shapes:
-        w = Fp8Weight((n, k), block_k or k, dtype, dev)
+        w = Fp8Weight((n, k), block_k or k, dtype, dev, act_block)
         quantize_fp8(torch.randn(n, k, device=dev, generator=gen) * 0.02, w.block_k, out=w)
         table = {}
         for t in batch_sizes:
@@ -110,7 +115,7 @@ def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
             best = _best(x, w, t)
             if best is not None:
                 table[t] = best
-        path = out / config_file_name(name, n, k, dtype)
+        path = out / config_file_name(name, n, k, dtype, bool(act_block))
         save_configs(path, table)
         print(f"wrote {path}")
         paths.append(path)

@@ -26,8 +26,15 @@ from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
 from loraplex.errors import LoraplexError, ModelLoadError, UnsupportedModel
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 from loraplex.ops.reference.quant import quantize_fp8, quantize_mxfp4
+from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.moe_align import align_experts
-from loraplex.ops.triton.moe_configs import PACKAGE_DIR, config_file_name, device_name, save_configs
+from loraplex.ops.triton.moe_configs import (
+    PACKAGE_DIR,
+    config_file_name,
+    device_name,
+    save_configs,
+    weight_format,
+)
 from loraplex.ops.triton.moe_gemm import moe_gemm
 from loraplex.ops.triton.moe_gemm_quant import MIN_BLOCK_K, moe_gemm_quant
 
@@ -61,7 +68,9 @@ def candidates(num_tokens: int, top_k: int, num_experts: int, elem_bytes: int = 
 
 
 def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: bool,
-          elem_bytes: int, fmt: str | None = None) -> dict:
+          elem_bytes: int, fmt: str | None = None, act_block: int = 0) -> dict:
+    """act_block: W8A8 experts, `a` their e4m3 rows (kwargs: a_scale), K steps inside a
+    block."""
     topk_ids, a, w, out, kwargs = gemm_inputs
     gemm = moe_gemm_quant if fmt else moe_gemm
 
@@ -69,21 +78,23 @@ def _best(gemm_inputs, num_tokens: int, top_k: int, num_experts: int, fused: boo
         align = align_experts(topk_ids, num_experts, cfg["BLOCK_M"])
         return lambda: gemm(a, w, None, out, align, cfg, **kwargs)
 
-    return fastest(candidates(num_tokens, top_k, num_experts, elem_bytes, fused, fmt), launch,
-                   f"T={num_tokens} {'gate_up' if fused else 'down'}")
+    cands = [c for c in candidates(num_tokens, top_k, num_experts, elem_bytes, fused, fmt)
+             if not act_block or c["BLOCK_K"] <= act_block]
+    return fastest(cands, launch, f"T={num_tokens} {'gate_up' if fused else 'down'}")
 
 
 def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, fmt: str | None,
-                   device, gen: torch.Generator, block_k: int = 128):
+                   device, gen: torch.Generator, block_k: int = 128, act_block: int = 0):
     """Random gate/up [E, 2I, H] and down [E, H, I] experts, N(0, 0.02), in format fmt
-    (None: plain dtype tensors; "fp8": scale blocks of block_k columns)."""
+    (None: plain dtype tensors; "fp8": scale blocks of block_k columns, W8A8 with
+    act_block)."""
     out = []
     for shape in ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter)):
         values = torch.randn(shape, device=device, generator=gen) * 0.02
         if fmt == "mxfp4":
             out.append(quantize_mxfp4(values, out=Mxfp4Weight(shape, dtype, device)))
         elif fmt == "fp8":
-            out.append(quantize_fp8(values, block_k, out=Fp8Weight(shape, block_k, dtype, device)))
+            out.append(quantize_fp8(values, block_k, out=Fp8Weight(shape, block_k, dtype, device, act_block)))
         else:
             out.append(values.to(dtype))
     return tuple(out)
@@ -91,13 +102,14 @@ def expert_weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype
 
 def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype,
          batch_sizes=BATCH_SIZES, out_dir: str | Path | None = None, fmt: str | None = None,
-         block_k: int = 128) -> list[Path]:
+         block_k: int = 128, act_block: int = 0) -> list[Path]:
     """Tune both GEMMs of an MoE layer for each token count, on experts in format fmt
-    (None: dtype tensors); returns the files written."""
+    (None: dtype tensors; W8A8 FP8 with act_block, into files of their own); returns the
+    files written."""
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
-    w_gu, w_d = expert_weights(num_experts, hidden, inter, dtype, fmt, dev, gen, block_k)
-    elem = torch.empty(0, dtype=dtype).element_size()
+    w_gu, w_d = expert_weights(num_experts, hidden, inter, dtype, fmt, dev, gen, block_k, act_block)
+    elem = 1 if act_block else torch.empty(0, dtype=dtype).element_size()
     best_gu, best_d = {}, {}
     for t in batch_sizes:
         logits = torch.randn(t, num_experts, device=dev, generator=gen)
@@ -107,14 +119,19 @@ def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dty
         h = torch.randn(t * top_k, inter, device=dev, generator=gen).to(dtype)
         gu_out = torch.empty(t * top_k, inter, dtype=dtype, device=dev)
         d_out = torch.empty(t * top_k, hidden, dtype=dtype, device=dev)
-        gu = (ids, x, w_gu, gu_out, dict(row_div=top_k, activation="silu"))
-        d = (ids, h, w_d, d_out, dict(row_div=1, routed_weights=weights.contiguous()))
-        best_gu[t] = _best(gu, t, top_k, num_experts, True, elem, fmt)
-        best_d[t] = _best(d, t, top_k, num_experts, False, elem, fmt)
+        gu_args = dict(row_div=top_k, activation="silu")
+        d_args = dict(row_div=1, routed_weights=weights.contiguous())
+        if act_block:  # the rows quantized once, as fused_experts does before each GEMM
+            x, gu_args["a_scale"] = quantize_activations(x, act_block)
+            h, d_args["a_scale"] = quantize_activations(h, act_block)
+        gu = (ids, x, w_gu, gu_out, gu_args)
+        d = (ids, h, w_d, d_out, d_args)
+        best_gu[t] = _best(gu, t, top_k, num_experts, True, elem, fmt, act_block)
+        best_d[t] = _best(d, t, top_k, num_experts, False, elem, fmt, act_block)
     out = Path(out_dir) if out_dir else PACKAGE_DIR
     name = device_name(dev)
-    paths = [out / config_file_name(name, num_experts, 2 * inter, hidden, dtype, fmt),
-             out / config_file_name(name, num_experts, hidden, inter, dtype, fmt)]
+    paths = [out / config_file_name(name, num_experts, 2 * inter, hidden, dtype, weight_format(w_gu)),
+             out / config_file_name(name, num_experts, hidden, inter, dtype, weight_format(w_d))]
     for path, table in zip(paths, (best_gu, best_d)):
         save_configs(path, {t: cfg for t, cfg in table.items() if cfg is not None})
         print(f"wrote {path}")
@@ -148,18 +165,38 @@ def main(args: argparse.Namespace) -> int:
                                f"checkpoint, or --quantization awq|gptq) are tuned")
     if not torch.cuda.is_available():
         raise LoraplexError("loraplex tune times kernels on a CUDA GPU; this machine has none")
+    act_block = fp8_act_block(cfg, fp8, getattr(args, "fp8_activations", "unquantized"))
     dtype, batch_sizes = getattr(torch, args.dtype), args.batch_sizes or BATCH_SIZES
     if cfg.moe_layers:
+        fmt, block_k = experts_format(cfg.quant, args.quantization)
         tune(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
-             dtype, batch_sizes, args.out, *experts_format(cfg.quant, args.quantization))
+             dtype, batch_sizes, args.out, fmt, block_k, act_block if fmt == "fp8" else 0)
     if fp8:
         from loraplex.bench import tune_fp8
 
-        tune_fp8.tune(tune_fp8.gemm_shapes(cfg), tune_fp8.scale_block(cfg), dtype, batch_sizes, args.out)
+        tune_fp8.tune(tune_fp8.gemm_shapes(cfg), tune_fp8.scale_block(cfg), dtype, batch_sizes, args.out,
+                      act_block)
     if int4 is not None:
         tune_int4.tune(projection_shapes(cfg, int4), int4.group_size, dtype,
                        args.batch_sizes or tune_int4.BATCH_SIZES, args.out)
     return 0
+
+
+def fp8_act_block(cfg, fp8: bool, activations: str) -> int:
+    """The FP8 GEMMs' activation block to tune for (--fp8-activations dynamic: W8A8, as
+    serving with it runs them), else 0 (weight-only). Raises as serving would where
+    W8A8 cannot apply."""
+    if activations != "dynamic":
+        return 0
+    if not fp8:
+        raise ModelLoadError("--fp8-activations dynamic tunes FP8 GEMMs: give an FP8 checkpoint or "
+                             "--quantization fp8")
+    from loraplex.bench import tune_fp8
+
+    try:
+        return tune_fp8.fp8_quant(cfg).with_dynamic_activations().act_block
+    except UnsupportedModel as e:
+        raise ModelLoadError(f"--fp8-activations dynamic: {e}") from e
 
 
 def experts_format(quant, asked: str | None) -> tuple[str | None, int]:

@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from loraplex.config import FP8_ACTIVATIONS
 from loraplex.engine.args import EngineArgs, at_least
 from loraplex.errors import LoraplexError
 
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "model's projection shapes, awq / gptq the int4 GEMM; a MoE model's "
                            "experts are tuned in fp8 or mxfp4 (a quantized checkpoint's are tuned in "
                            "its own without it)")
+    tune.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS, default="unquantized",
+                      help="FP8 GEMMs: tune the weight-only kernels, or the W8A8 ones serving with "
+                           "--fp8-activations dynamic runs (configs of their own)")
     tune.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=None,
                       help="token counts to tune (default: 1 to 4096; the int4 GEMM: 1 to 96, its own)")
     tune.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
