@@ -34,9 +34,10 @@ from loraplex.ops.triton.fp8_activations import quantize_activations as triton_q
 from loraplex.ops.triton.fp8_gemm import fp8_linear  # noqa: E402
 from loraplex.ops.triton.fused_moe import fused_experts  # noqa: E402
 
-# bf16: x's e4m3 rounding amplifies a bf16 ulp of difference upstream (h, in the experts)
-# into an e4m3 one now and then.
-TOL = {"float32": 1e-5, "bfloat16": 3e-2, "float16": 2e-2}[DTYPE]
+TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}[DTYPE]
+# The experts re-quantize h, which kernel and reference compute in a different order: a
+# last-bit difference there moves an e4m3 rounding now and then (one value by 1/16).
+EXPERTS_TOL = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 2e-2}[DTYPE]
 
 
 def w8a8_weight(shape, block_k: int, gen: torch.Generator) -> Fp8Weight:
@@ -90,11 +91,12 @@ def test_w8a8_dense_gemm_matches_the_reference(t, n, k, block):
 
 @pytest.mark.parametrize("t", [1, 3, 24, 300])
 @pytest.mark.parametrize("adapters", [False, True])
-def test_w8a8_experts_match_the_reference(t, adapters):
+@pytest.mark.parametrize("h,i", [(64, 96), (48, 80)], ids=["whole-blocks", "partial-blocks"])
+def test_w8a8_experts_match_the_reference(t, adapters, h, i):
     """Both GEMMs quantize their input (x, then the activation's output); the adapters
     read them unquantized. (300 tokens: 75 pairs an expert, prefill's tiles.)"""
     gen = torch.Generator().manual_seed(t)
-    e, h, i, top_k = 8, 64, 96, 2
+    e, top_k = 8, 2
     w_gate_up, w_down = w8a8_weight((e, 2 * i, h), 32, gen), w8a8_weight((e, h, i), 32, gen)
     x = torch.randn(t, h, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
     weights, ids = torch.randn(t, e, generator=gen).softmax(-1).topk(top_k, -1)
@@ -107,7 +109,7 @@ def test_w8a8_experts_match_the_reference(t, adapters):
                                    ranks=lora.ranks.to(DEVICE))
     got = fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
     want = reference_moe.fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
-    assert rel(got, want) < TOL
+    assert rel(got, want) < EXPERTS_TOL
 
 
 @pytest.fixture(scope="module")
