@@ -6,8 +6,10 @@ activation, routing weight, LoRA delta); only the weight tiles differ.
 Oracle: ops.reference.moe.fused_experts with the same QuantizedWeight (it dequantizes
 first). Each K step reads the weight's own bytes and scales and dequantizes them in
 registers (quant_tiles.py) to exactly the values dequantize gives, rounded to the
-activations' dtype; tl.dot on those (bf16 MMA on Hopper, which has no FP4 MMA;
-activations are not quantized, so no FP8 MMA either), float32 accumulation.
+activations' dtype; tl.dot on those (bf16 MMA on Hopper, which has no FP4 MMA; FP8
+weights meet unquantized activations), float32 accumulation. W8A8 FP8 experts
+(act_block) are the exception: A comes as e4m3 rows with their scales, and each K step
+is an e4m3 MMA (quant_tiles.fp8_w8a8_step; the oracle quantizes A the same way).
 
 - MXFP4 (Mxfp4Weight: data [E, N, K / 2] two e2m1 per byte, low nibble k = 2j; scale
   [E, N, K / 32] e8m0): a step of BLOCK_K reads BLOCK_K / 2 bytes per row and their

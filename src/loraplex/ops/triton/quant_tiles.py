@@ -8,9 +8,9 @@ does for a plain weight), from `cols` [1, N] pointers to the weight's rows and
 dequantize rounds to w.dtype; under the interpreter (UPCAST) read back as float32
 (precision.py), the rounding kept.
 
-Hopper has no FP4 MMA, and FP8 MMA would need the activations quantized too, which
-ops.fused_experts' semantics exclude: both formats feed bf16 (or the model's dtype)
-operands to tl.dot, float32 accumulation.
+Hopper has no FP4 MMA, and FP8 MMA needs the activations quantized too, which only
+W8A8 weights ask for (Fp8Weight.act_block: `fp8_w8a8_step`, both operands e4m3): else
+both formats feed bf16 (or the model's dtype) operands to tl.dot, float32 accumulation.
 """
 
 from __future__ import annotations
