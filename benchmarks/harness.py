@@ -338,6 +338,8 @@ def floors(args: argparse.Namespace) -> Floors:
 def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b", batch: int = 32,
                          adapters: int = 32, prompt_len: int = 512) -> None:
     """The model, batch and adapters of `decode_engine` (a bundled config, dummy weights)."""
+    from loraplex.config import FP8_ACTIVATIONS
+
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=model, help="a bundled config (default: %(default)s)")
     g.add_argument("--batch", type=int, default=batch, help="sequences in flight (default: %(default)s)")
@@ -350,7 +352,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b"
                    help="the adapters' projections (default: q/k/v/o and the MLP's three)")
     g.add_argument("--quantization", default=None, choices=["fp8", "mxfp4", "awq", "gptq"],
                    help="random weights in this format (default: bf16)")
-    g.add_argument("--fp8-activations", default="unquantized", choices=["unquantized", "dynamic"],
+    g.add_argument("--fp8-activations", default="unquantized", choices=FP8_ACTIVATIONS,
                    help="FP8 weights: activations as they are, or e4m3 at run time (W8A8)")
 
 

@@ -49,6 +49,7 @@ def fastest(configs, launch, what: str, per: int = 1) -> dict | None:
     logger.info("%s: %s (%.4f ms)", what, best, best_ms)
     return best
 
+
 def projection_shapes(cfg, quant) -> list[tuple[int, int]]:
     """The distinct [N, K] of the dense projections `quant` (a QuantConfig) covers in the
     model of ModelConfig `cfg` (fused slices as one), read from the model built on the

@@ -28,10 +28,8 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
     """The weight [..., N, K] in w.dtype (float32 math, one rounding at the end)."""
-    k = w.shape[-1]
     if isinstance(w, Fp8Weight):
-        scale = w.scale.repeat_interleave(w.block_k, dim=-1)[..., :k]
-        return (w.data.float() * scale).to(w.dtype)
+        return fp8_values(w).to(w.dtype)
     if isinstance(w, Int4Weight):
         q = unpack_nibbles(w.data).float()
         zero = w.zero.float().repeat_interleave(w.group, dim=-1)
@@ -82,7 +80,8 @@ def dequantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def fp8_values(w: Fp8Weight) -> torch.Tensor:
-    """data * scale in float32, unrounded: the weight a W8A8 GEMM multiplies."""
+    """data * scale in float32, unrounded: the weight a W8A8 GEMM multiplies (dequantize
+    rounds it to w.dtype)."""
     return w.data.float() * w.scale.repeat_interleave(w.block_k, dim=-1)[..., :w.shape[-1]]
 
 

@@ -1,9 +1,10 @@
 """Dynamic FP8 activations for W8A8 GEMMs: x [T, K] -> e4m3 q [T, K] and float32 scales
 [T, ceil(K / block)], one per row and `block` columns (ops.reference.quant
-.quantize_activations, bit for bit: IEEE divisions, round to nearest even).
+.quantize_activations, bit for bit: IEEE divisions for the scale and its reciprocal,
+round to nearest even).
 
 One program quantizes ROWS rows of one column block: the block's amax per row, its
-scale, the row divided by it. A decode step's [16, 2048] is 16 programs; the W8A8
+scale, the row times the scale's reciprocal. A decode step's [16, 2048] is 16 programs; the W8A8
 GEMMs then read e4m3 rows (half the bytes of bf16) and their scales once per K step.
 """
 
@@ -83,4 +84,3 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
         HAND_ROUND=INTERPRETED, num_warps=4,
     )
     return q, scale
-

@@ -2,7 +2,7 @@
 
 Weight-only (Fp8Weight.act_block 0):
 y[t, n] = sum_k x[t, k] * Wd[n, k] + bias[n], Wd = dequantize(W) (ops.linear's semantics).
-W8A8 (act_block set: block-scaled checkpoints, `--quantization fp8`): x is quantized to
+W8A8 (act_block set: `--fp8-activations dynamic` on block-scaled weights): x is quantized to
 e4m3 rows first (fp8_activations.py), and each K step (inside one scale block of x and
 of W) is an e4m3 x e4m3 MMA scaled by the two blocks' scales, float32 sums, rounded
 once (ops.reference.quant.linear). Tiles at every token count; under 64 rows the

@@ -18,8 +18,8 @@ dequantized in memory: the grouped GEMM's quantized variant (moe_gemm_quant.py),
 for steps of no more pairs than experts (decode), one program per pair and column
 block (moe_gemv_quant.py), which needs no expert alignment. W8A8 experts (Fp8Weight
 with act_block) take the grouped GEMM at every size, each GEMM's input (x, then h)
-quantized to e4m3 rows first (fp8_activations.py); the adapters read them unquantized. The expert LoRA kernels
-are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
+quantized to e4m3 rows first (fp8_activations.py); the adapters read them unquantized.
+The expert LoRA kernels are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
 are dequantized on each call.)
 Every launch reads only device tensors and its grid depends on shapes only (no host
 sync: captured and replayed in a CUDA graph on an H100, matching eager bit for bit).
