@@ -46,7 +46,7 @@ for step in $STEPS; do
         2>&1 | tail -25 > "$OUT/moe-tests.log"; tail -5 "$OUT/moe-tests.log" ;;
     quant-tests)  # quantized bases and the request surface (prefix cache, sampling, structured, tools)
       LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=bfloat16 timeout 400 python3 -m pytest -q $XDIST \
-        -p no:cacheprovider tests/test_quant_fp8.py tests/test_quant_int4.py tests/test_quant_mxfp4.py \
+        -p no:cacheprovider tests/test_quant_fp8.py tests/test_quant_w8a8.py tests/test_quant_int4.py tests/test_quant_mxfp4.py \
         tests/test_quant_moe_kernels.py tests/test_quantized.py tests/test_prefix_cache.py \
         tests/test_sampling_surface.py tests/test_structured_outputs.py tests/test_tools.py -k "not gemma" \
         --tb=short > "$OUT/quant-tests.log" 2>&1; grep -E "^(FAILED|ERROR|E  )" "$OUT/quant-tests.log" | head -30
@@ -224,12 +224,12 @@ for step in $STEPS; do
           --result-json "$OUT/qwen3-${q:-bf16}.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-${q:-bf16}.txt"
         grep -E "^\| qwen|GiB" "$OUT/qwen3-${q:-bf16}.txt" | tail -4
       done ;;
-    qwen3-w8a8)  # RESULTS: "Qwen3-30B-A3B FP8": W8A8 (--fp8-activations dynamic), base + 16 adapters
+    qwen3-w8a8)  # RESULTS: "Qwen3-30B-A3B FP8": W8A8 (--fp8-activations ${ACTS:-dynamic}), base + 16 adapters
       timeout 280 python3 -m loraplex.entrypoints.cli bench --model qwen3-30b-a3b --quantization fp8 \
-        --fp8-activations dynamic --num-adapters 0 16 --lora-targets q_proj k_proj v_proj o_proj experts \
+        --fp8-activations ${ACTS:-dynamic} --num-adapters 0 16 --lora-targets q_proj k_proj v_proj o_proj experts \
         --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 --output-len 600 --cache-dir "$CACHE" \
-        --result-json "$OUT/qwen3-w8a8.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-w8a8.txt"
-      grep -E "^\| qwen|GiB" "$OUT/qwen3-w8a8.txt" | tail -3 ;;
+        --result-json "$OUT/qwen3-w8a8-${ACTS:-dynamic}.json" 2>&1 | grep -v "it/s" > "$OUT/qwen3-w8a8-${ACTS:-dynamic}.txt"
+      grep -E "^\| qwen|GiB" "$OUT/qwen3-w8a8-${ACTS:-dynamic}.txt" | tail -3 ;;
     llama-awq)  # RESULTS: "Llama-3.1-8B AWQ int4" (bf16 base in the same run, then int4 base + 32 adapters)
       for q in "" awq; do
         timeout 250 python3 -m loraplex.entrypoints.cli bench --model llama-3.1-8b ${q:+--quantization $q} \

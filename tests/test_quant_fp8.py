@@ -49,12 +49,14 @@ def _on_device(w: Fp8Weight) -> Fp8Weight:
     return copy.deepcopy(w).to(DEVICE)  # (Module.to moves in place)
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 64, 200])
+@pytest.mark.parametrize("t", [1, 3, 17, 64, 200, 300])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["block128", "per-channel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_gemm_matches_the_reference(t, per_channel, dtype):
     """ops.linear through the Triton backend: N and K multiples of no tile, K not of
-    128; decode counts take the GEMV form, the others tensor-core tiles."""
+    128; decode counts take the GEMV form, the others tensor-core tiles (on a GPU, from
+    DEQUANTIZE_MIN_TOKENS on, W dequantized and the dense GEMM)."""
+    assert 200 < fp8_gemm.DEQUANTIZE_MIN_TOKENS <= 300
     n, k = 72, 200
     w = _weight(n, k, k if per_channel else 128, dtype, seed=t)
     gen = torch.Generator().manual_seed(100 + t)

@@ -1,6 +1,6 @@
-"""W8A8 FP8 (`--fp8-activations dynamic`): activations quantized to e4m3 per token and
-block of columns at run time, e4m3 x e4m3 products. The activation quantizer against
-its plain-torch definition bit for bit, the dense and expert GEMMs against
+"""W8A8 FP8 (`--fp8-activations dynamic`, or `prefill`: in steps of a size on): activations
+quantized to e4m3 per token and block of columns at run time, e4m3 x e4m3 products. The
+activation quantizer against its plain-torch definition bit for bit, the dense and expert GEMMs against
 ops.reference (which quantizes the activations the same way and multiplies in float32),
 and FP8 checkpoints served so against transformers (+ PEFT) on the dequantized twin
 whose linear layers quantize their inputs alike (quantized.quantize_linear_inputs)."""
@@ -14,7 +14,7 @@ import torch
 from conftest import ADAPTERS, DEVICE, DTYPE, build_tiny_model, make_llm, make_peft_adapter, random_prompts
 from quantized import check_against_twin, write_fp8_block, write_tiny_qwen3_moe
 
-from loraplex.config import QuantConfig
+from loraplex.config import W8A8_PREFILL_MIN_TOKENS, QuantConfig
 from loraplex.engine.args import EngineArgs
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight
@@ -25,6 +25,7 @@ from loraplex.ops.reference.quant import (
     linear,
     quantize_activations,
     quantize_fp8,
+    w8a8,
 )
 
 pytest.importorskip("triton")
@@ -40,10 +41,21 @@ TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}[DTYPE]
 EXPERTS_TOL = {"float32": 2e-3, "bfloat16": 3e-2, "float16": 2e-2}[DTYPE]
 
 
-def w8a8_weight(shape, block_k: int, gen: torch.Generator) -> Fp8Weight:
-    w = Fp8Weight(tuple(shape), block_k, getattr(torch, DTYPE), act_block=block_k)
+def w8a8_weight(shape, block_k: int, gen: torch.Generator, act_block: int | None = None,
+                act_min_tokens: int = 0) -> Fp8Weight:
+    act_block = block_k if act_block is None else act_block
+    w = Fp8Weight(tuple(shape), block_k, getattr(torch, DTYPE), act_block=act_block,
+                  act_min_tokens=act_min_tokens)
     quantize_fp8(torch.randn(shape, generator=gen) * 0.05, block_k, out=w)
     return w.to(DEVICE)
+
+
+def weight_only_twin(w: Fp8Weight) -> Fp8Weight:
+    """w's data and scales as a weight-only Fp8Weight."""
+    twin = Fp8Weight(tuple(w.shape), w.block_k, w.dtype, act_block=0).to(w.device)
+    twin.data.copy_(w.data)
+    twin.scale.copy_(w.scale)
+    return twin
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,6 +124,41 @@ def test_w8a8_experts_match_the_reference(t, adapters, h, i):
     assert rel(got, want) < EXPERTS_TOL
 
 
+@pytest.mark.parametrize("t", [1, 15, 16, 40])
+def test_w8a8_from_a_step_size_dense(t):
+    """act_min_tokens (`--fp8-activations prefill`): GEMMs of fewer rows are the weight-
+    only kernel's, bit for bit; from there on, W8A8's."""
+    gen = torch.Generator().manual_seed(t)
+    w = w8a8_weight((48, 256), 128, gen, act_min_tokens=16)
+    x = torch.randn(t, 256, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
+    got, weight_only = fp8_linear(x, w, None), fp8_linear(x, weight_only_twin(w), None)
+    assert torch.equal(got, weight_only) == (t < 16)
+    assert rel(got, linear(x, w, None)) < TOL
+    assert w8a8(w, t) == (t >= 16) and w8a8(w) and not w8a8(weight_only_twin(w))
+
+
+@pytest.mark.parametrize("t", [3, 24])
+def test_w8a8_from_a_step_size_experts(t):
+    """Experts with act_min_tokens: a step of fewer tokens runs as weight-only experts
+    (bit for bit, adapters included), a larger one as W8A8; the reference agrees."""
+    gen = torch.Generator().manual_seed(t)
+    e, top_k, h, i = 8, 2, 64, 96
+    w_gate_up, w_down = (w8a8_weight(s, 32, gen, act_min_tokens=10) for s in ((e, 2 * i, h), (e, h, i)))
+    x = torch.randn(t, h, generator=gen).to(getattr(torch, DTYPE)).to(DEVICE)
+    weights, ids = torch.randn(t, e, generator=gen).softmax(-1).topk(top_k, -1)
+    weights, ids = weights.to(DEVICE), ids.int().to(DEVICE)
+    lora = make_lora(e, h, i, t, gen)
+    lora = dataclasses.replace(lora, **{f: getattr(lora, f).to(x.dtype).to(DEVICE)
+                                        for f in ("a_gate_up", "b_gate_up", "a_down", "b_down")},
+                               token_slot=lora.token_slot.to(DEVICE), slot_mask=lora.slot_mask.to(DEVICE),
+                               ranks=lora.ranks.to(DEVICE))
+    got = fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
+    weight_only = fused_experts(x, weights, ids, *map(weight_only_twin, (w_gate_up, w_down)), lora=lora)
+    assert torch.equal(got, weight_only) == (t < 10)
+    want = reference_moe.fused_experts(x, weights, ids, w_gate_up, w_down, lora=lora)
+    assert rel(got, want) < EXPERTS_TOL
+
+
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("dense") / "qwen3", "qwen3")
@@ -137,6 +184,21 @@ def test_fp8_moe_checkpoint_with_dynamic_activations(tmp_path):
     check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4), moe=True, act_block=32)
 
 
+def test_fp8_checkpoint_with_activations_quantized_in_prefill(dense_dir, tmp_path, monkeypatch):
+    """`--fp8-activations prefill`: the weights carry the step size W8A8 starts at; a
+    prompt step that large matches the twin quantizing its inputs, a smaller one the
+    weight-only twin."""
+    from loraplex.engine import args
+
+    monkeypatch.setattr(args, "W8A8_PREFILL_MIN_TOKENS", 40)
+    quantized, oracle = write_fp8_block(dense_dir, tmp_path, (16, 32))
+    llm = make_llm(quantized, fp8_activations="prefill")
+    w = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(w, Fp8Weight) and (w.act_block, w.act_min_tokens) == (32, 40)
+    check_against_twin(llm, oracle, random_prompts(3, (20, 30), seed=2), act_block=32)
+    check_against_twin(llm, oracle, random_prompts(1, (8, 12), seed=5))
+
+
 def test_fp8_activations_option():
     """Weight-only unless asked (a draft model, read without the option, too); dynamic
     where the weights are block-scaled FP8 in blocks the kernels step through, else a
@@ -155,6 +217,13 @@ def test_fp8_activations_option():
             dynamic._activations(quant)
     with pytest.raises(ValueError, match="fp8_activations"):
         EngineArgs("m", fp8_activations="static")._activations(block)
+    assert dynamic._activations(block).act_min_tokens == 0
+    prefill = EngineArgs("m", fp8_activations="prefill")
+    got = prefill._activations(block)
+    assert (got.act_block, got.act_min_tokens) == (128, W8A8_PREFILL_MIN_TOKENS)
+    assert W8A8_PREFILL_MIN_TOKENS > 64  # decode steps of 64 sequences stay weight-only
+    with pytest.raises(ModelLoadError, match="fp8-activations prefill.*compressed-tensors"):
+        prefill._activations(per_channel)
 
 
 def test_w8a8_tuner_candidates_run():

@@ -40,8 +40,13 @@ class ArchitectureFacts:
 STOP_STRINGS_KEY = "loraplex_stop_strings"
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QUANTIZATION_METHODS = ("mxfp4", "fp8", "compressed-tensors", "awq", "gptq")
-# FP8 activations (--fp8-activations): left in the model's dtype, or e4m3 at run time (W8A8).
-FP8_ACTIVATIONS = ("unquantized", "dynamic")
+# FP8 activations (--fp8-activations): left in the model's dtype; e4m3 at run time (W8A8)
+# in every GEMM; or e4m3 only in GEMMs of at least W8A8_PREFILL_MIN_TOKENS rows.
+FP8_ACTIVATIONS = ("unquantized", "dynamic", "prefill")
+# "prefill": where W8A8 starts. Below it (decode steps) a GEMM is bound by the weight's
+# bytes, which the e4m3 MMA does not shrink, while quantizing the rows costs a launch
+# per GEMM; from prefill-sized steps on, e4m3 x e4m3 is the faster tensor-core form.
+W8A8_PREFILL_MIN_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,10 @@ class QuantConfig:
     skip: tuple[str, ...] = ()  # module path patterns (fnmatch) left unquantized
     online: bool = False  # quantized from a bf16 checkpoint at load
     # fp8: activations quantized per token and this many columns at run time (W8A8:
-    # Fp8Weight.act_block, `with_dynamic_activations`), or 0 (weight-only, the default).
+    # Fp8Weight.act_block, `with_dynamic_activations`), or 0 (weight-only, the default);
+    # in GEMMs of at least act_min_tokens rows (Fp8Weight.act_min_tokens).
     act_block: int = 0
+    act_min_tokens: int = 0
 
     @classmethod
     def requested(cls, method: str, online: bool) -> QuantConfig:
@@ -75,10 +82,11 @@ class QuantConfig:
         return cls(method, formats[method], weight_block=(1, 128), group_size=128, symmetric=method == "gptq",
                    online=online)
 
-    def with_dynamic_activations(self) -> QuantConfig:
+    def with_dynamic_activations(self, min_tokens: int = 0) -> QuantConfig:
         """This FP8 quantization with its activations quantized at run time, as block-
         scaled checkpoints' activation_scheme "dynamic" asks (and vLLM runs them): e4m3
-        per token and weight_block[1] columns (W8A8). Block-scaled FP8 only, with K
+        per token and weight_block[1] columns (W8A8), in GEMMs of at least min_tokens
+        rows (fewer: weight-only). Block-scaled FP8 only, with K
         blocks of a power of two of 32 or more (the kernels' K steps lie in one block of
         both scales); anything else is an UnsupportedModel naming why."""
         block = self.weight_block[1] if self.weight_block else 0
@@ -87,7 +95,7 @@ class QuantConfig:
                     else f"FP8 blocks {list(self.weight_block)} (K blocks of a power of two, >= 32, needed)")
             raise UnsupportedModel(f"dynamic FP8 activations (W8A8) apply to block-scaled FP8 weights, "
                                    f"not to {what}")
-        return replace(self, act_block=block)
+        return replace(self, act_block=block, act_min_tokens=min_tokens)
 
     @classmethod
     def from_hf(cls, arch: str, q: dict) -> QuantConfig:

@@ -183,8 +183,9 @@ def _label(args, k: int, dist: str) -> str:
     who = "base" if k == 0 else f"{k} adapters ({dist}{cold})"
     shared = f" (prefix {args.prefix_len})" if getattr(args, "prefix_len", 0) else ""
     quant = f" {args.quantization}" if getattr(args, "quantization", None) else ""
-    if quant and getattr(args, "fp8_activations", "unquantized") == "dynamic":
-        quant += " w8a8"
+    acts = getattr(args, "fp8_activations", "unquantized")
+    if quant and acts != "unquantized":
+        quant += " w8a8" if acts == "dynamic" else f" w8a8-{acts}"
     return f"{args.model}{quant} {args.input_len}{shared}/{args.output_len} c{args.max_concurrency} {who}"
 
 

@@ -21,7 +21,7 @@ import triton
 from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
-from loraplex.ops.triton.fp8_gemm import fp8_linear, scale_mode
+from loraplex.ops.triton.fp8_gemm import DEQUANTIZE_MIN_TOKENS, fp8_linear, scale_mode
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, device_name, save_configs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
@@ -110,7 +110,8 @@ def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
         w = Fp8Weight((n, k), block_k or k, dtype, dev, act_block)
         quantize_fp8(torch.randn(n, k, device=dev, generator=gen) * 0.02, w.block_k, out=w)
         table = {}
-        for t in batch_sizes:
+        # weight-only GEMMs of DEQUANTIZE_MIN_TOKENS or more run through cuBLAS
+        for t in (t for t in batch_sizes if act_block or t < DEQUANTIZE_MIN_TOKENS):
             x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
             best = _best(x, w, t)
             if best is not None:

@@ -183,20 +183,20 @@ def main(args: argparse.Namespace) -> int:
 
 
 def fp8_act_block(cfg, fp8: bool, activations: str) -> int:
-    """The FP8 GEMMs' activation block to tune for (--fp8-activations dynamic: W8A8, as
-    serving with it runs them), else 0 (weight-only). Raises as serving would where
-    W8A8 cannot apply."""
-    if activations != "dynamic":
+    """The FP8 GEMMs' activation block to tune for (--fp8-activations dynamic or prefill:
+    W8A8, as serving with it runs them), else 0 (weight-only). Raises as serving would
+    where W8A8 cannot apply."""
+    if activations == "unquantized":
         return 0
+    flag = f"--fp8-activations {activations}"
     if not fp8:
-        raise ModelLoadError("--fp8-activations dynamic tunes FP8 GEMMs: give an FP8 checkpoint or "
-                             "--quantization fp8")
+        raise ModelLoadError(f"{flag} tunes FP8 GEMMs: give an FP8 checkpoint or --quantization fp8")
     from loraplex.bench import tune_fp8
 
     try:
         return tune_fp8.fp8_quant(cfg).with_dynamic_activations().act_block
     except UnsupportedModel as e:
-        raise ModelLoadError(f"--fp8-activations dynamic: {e}") from e
+        raise ModelLoadError(f"{flag}: {e}") from e
 
 
 def experts_format(quant, asked: str | None) -> tuple[str | None, int]:

@@ -22,6 +22,7 @@ from loraplex.config import (
     FP8_ACTIVATIONS,
     QUANTIZATION_METHODS,
     STOP_STRINGS_KEY,
+    W8A8_PREFILL_MIN_TOKENS,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -105,7 +106,9 @@ class EngineArgs:
         "unquantized", "FP8 block-scaled checkpoints and --quantization fp8: unquantized keeps "
         "activations in the model's dtype (weight-only GEMMs, the more exact); dynamic quantizes "
         "them to e4m3 per token and 128 columns at run time, as the checkpoints' activation_scheme "
-        "asks and vLLM runs them (W8A8: e4m3 x e4m3 on the tensor cores)",
+        "asks and vLLM runs them (W8A8: e4m3 x e4m3 on the tensor cores); prefill quantizes them in "
+        f"steps of {W8A8_PREFILL_MIN_TOKENS} tokens or more, where e4m3 MMAs are the faster form, "
+        "and leaves decode steps' (bound by the weights' bytes) in the model's dtype",
         choices=FP8_ACTIVATIONS)
     speculative_config: str | dict | None = _option(
         None, "speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": "
@@ -284,13 +287,15 @@ class EngineArgs:
                              f"got {self.fp8_activations!r}")
         if self.fp8_activations == "unquantized":
             return quant
+        flag = f"--fp8-activations {self.fp8_activations}"
         if quant is None:
-            raise ModelLoadError("--fp8-activations dynamic applies to FP8 weights: this checkpoint is "
-                                 "not quantized (--quantization fp8 quantizes it as it loads)")
+            raise ModelLoadError(f"{flag} applies to FP8 weights: this checkpoint is not quantized "
+                                 "(--quantization fp8 quantizes it as it loads)")
         try:
-            return quant.with_dynamic_activations()
+            return quant.with_dynamic_activations(
+                W8A8_PREFILL_MIN_TOKENS if self.fp8_activations == "prefill" else 0)
         except UnsupportedModel as e:
-            raise ModelLoadError(f"--fp8-activations dynamic: {e}") from e
+            raise ModelLoadError(f"{flag}: {e}") from e
 
     def create_engine(self) -> LLMEngine:
         """The engine, with the model's tokenizer (engine.tokenizer) and the stop strings

@@ -13,7 +13,8 @@ which is every kernel's oracle. Adapters never see these: LoRA deltas stay bf16 
   activations as they are, unless `act_block` is set (W8A8, `--fp8-activations
   dynamic` on block-scaled weights, as their configs' activation_scheme asks): then the
   activations are quantized too, per token and block_k columns, and the GEMM
-  multiplies e4m3 by e4m3.
+  multiplies e4m3 by e4m3; with `act_min_tokens` (`--fp8-activations prefill`) only in
+  GEMMs of that many rows or more, fewer read them as they are.
 - Int4Weight: W[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group], q unsigned
   4-bit (AWQ, GPTQ; symmetric ones have zero 8).
 - Mxfp4Weight: W[n, k] = e2m1(q[n, k]) * 2^(e[n, k // 32] - 127) (OCP MXFP4, gpt-oss).
@@ -59,13 +60,16 @@ class Fp8Weight(QuantizedWeight):
     """act_block: 0, activations stay in `dtype` (weight-only: ops read dequantize(W));
     else W8A8: activations quantized at run time to e4m3 per token and act_block
     columns (ops/reference/quant.quantize_activations); act_block is then block_k, a
-    power of two of at least 32 (a K step of the kernels lies in one block of both)."""
+    power of two of at least 32 (a K step of the kernels lies in one block of both).
+    act_min_tokens: W8A8 only in GEMMs of at least this many rows (tokens), weight-only
+    in smaller ones (ops/reference/quant.w8a8 decides)."""
 
     def __init__(self, shape: tuple[int, ...], block_k: int, dtype: torch.dtype, device=None,
-                 act_block: int = 0):
+                 act_block: int = 0, act_min_tokens: int = 0):
         super().__init__()
         *lead, n, k = shape
         self.block_k, self.dtype, self.act_block = block_k, dtype, act_block
+        self.act_min_tokens = act_min_tokens
         self.register_buffer("data", torch.empty(shape, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("scale", torch.empty(*lead, n, -(-k // block_k), dtype=torch.float32,
                                                   device=device))

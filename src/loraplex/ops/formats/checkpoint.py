@@ -38,7 +38,8 @@ def new_weight(quant: QuantConfig, shape: tuple[int, ...], dtype: torch.dtype, d
     """An empty weight of logical `shape` in quant's format."""
     if quant.format == "fp8":
         block_k = quant.weight_block[1] or shape[-1]
-        return Fp8Weight(shape, block_k, dtype, device, act_block=quant.act_block)
+        return Fp8Weight(shape, block_k, dtype, device, act_block=quant.act_block,
+                         act_min_tokens=quant.act_min_tokens)
     if quant.format == "int4":  # (random weights of a small model: a group per row)
         k = shape[-1]
         return Int4Weight(shape, quant.group_size if k % quant.group_size == 0 else k, dtype, device)

@@ -54,12 +54,13 @@ def fused_experts(
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
     the adapter delta per (slot, expert) group of those pairs. One stream."""
-    # W8A8 experts: each GEMM's input quantized per row (x, then h), e4m3 products in float32.
-    act_gu, act_d = (w.act_block if w8a8(w) else 0 for w in (w_gate_up, w_down))
-    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else fp8_values(w) if w8a8(w) else dequantize(w)
+    # W8A8 experts (in steps of act_min_tokens or more): each GEMM's input quantized per row
+    # (x, then h), e4m3 products in float32.
+    t, k = topk_ids.shape
+    act_gu, act_d = (w.act_block if w8a8(w, t) else 0 for w in (w_gate_up, w_down))
+    w_gate_up, w_down = (w if isinstance(w, torch.Tensor) else fp8_values(w) if w8a8(w, t) else dequantize(w)
                          for w in (w_gate_up, w_down))
     x_gu = dequantized_activations(x, act_gu) if act_gu else x
-    t, k = topk_ids.shape
     if routing_stats is not None:
         hit = torch.zeros(w_gate_up.shape[0], dtype=torch.float32, device=x.device)
         hit[topk_ids.flatten().long()] = 1.0

@@ -43,7 +43,7 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    if w8a8(w):  # e4m3 products, float32 sums, rounded once
+    if w8a8(w, x.numel() // max(x.shape[-1], 1)):  # e4m3 products, float32 sums, rounded once
         bias = None if bias is None else bias.float()
         return F.linear(dequantized_activations(x, w.act_block), fp8_values(w), bias).to(x.dtype)
     return F.linear(x, dequantize(w).to(x.dtype), bias)
@@ -55,9 +55,11 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> to
 ACT_MIN_AMAX = 1e-10
 
 
-def w8a8(w) -> bool:
-    """Whether ops on w quantize their activations (Fp8Weight.act_block)."""
-    return isinstance(w, Fp8Weight) and w.act_block > 0
+def w8a8(w, tokens: int | None = None) -> bool:
+    """Whether ops on w quantize their activations (Fp8Weight.act_block): a GEMM over
+    `tokens` rows does from w.act_min_tokens on; None: whether any GEMM may."""
+    return (isinstance(w, Fp8Weight) and w.act_block > 0
+            and (tokens is None or tokens >= w.act_min_tokens))
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

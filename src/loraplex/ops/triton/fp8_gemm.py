@@ -22,9 +22,10 @@ Two forms of the one kernel, chosen by the config's BLOCK_M (fp8_configs.py):
   (one per weight). Each program streams BLOCK_N rows of W along K and forms every
   token's products with them by multiplies and a reduction in registers (a tensor-core
   tile would be mostly padding); small BLOCK_N gives the launch enough programs.
-- tiles (BLOCK_M >= 16, prefill and large decode batches): tensor-core tiles, the
+- tiles (BLOCK_M >= 16, large decode batches; prefill on CPUs): tensor-core tiles, the
   dequantized [BLOCK_K, BLOCK_N] W tile fed to tl.dot as x's dtype (bf16 MMA), grouped
   program order so GROUP_M row blocks share W tiles in L2.
+From DEQUANTIZE_MIN_TOKENS tokens on a GPU, W is dequantized whole and cuBLAS multiplies.
 No split-K: the GEMV form's parallelism is its BLOCK_N (the tuner's to choose). Scales
 (scale_mode): one per row loaded once (per channel), one per row and tile (BLOCK_K
 divides block_k), whole blocks broadcast over the tile (block_k a power of 2 dividing
@@ -39,12 +40,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from loraplex.ops.formats import Fp8Weight
 from loraplex.ops.reference.quant import linear as reference_linear
 from loraplex.ops.reference.quant import w8a8
+from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
 from loraplex.ops.triton.gemm_tiles import row_tile
@@ -52,6 +55,12 @@ from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import fp8_w8a8_step
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Weight-only steps of this many tokens or more on a GPU dequantize W into a scratch
+# tensor and run cuBLAS's bf16 GEMM (the values the products see are the same): there
+# the GEMM is bound by its arithmetic, and cuBLAS's reaches ~1.7x this kernel's tiles,
+# whose bf16 MMAs wait on W's conversion; the dequantization, one pass over W's bytes,
+# costs what ~1 us per MB does. (W8A8 keeps its own kernel: its MMAs are e4m3.)
+DEQUANTIZE_MIN_TOKENS = 256
 
 
 @triton.jit
@@ -182,7 +191,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     assert scale.shape == (n, triton.cdiv(k, w.block_k)), (scale.shape, w.block_k)
     if bias is not None:
         assert bias.shape == (n,) and bias.stride(0) == 1, bias.shape
-    a8 = w8a8(w)
+    a8 = w8a8(w, t)
+    if cfg is None and not a8 and t >= DEQUANTIZE_MIN_TOKENS and x.is_cuda:
+        return F.linear(x2, _dequantize(w).to(x.dtype), bias).view(*lead, n)
     cfg = cfg or gemm_config(n, k, x.dtype, t, x.device, w8a8=a8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if a8:  # e4m3 rows and their scales; a K step inside one block of each

@@ -17,8 +17,10 @@ Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored, never
 dequantized in memory: the grouped GEMM's quantized variant (moe_gemm_quant.py), or,
 for steps of no more pairs than experts (decode), one program per pair and column
 block (moe_gemv_quant.py), which needs no expert alignment. W8A8 experts (Fp8Weight
-with act_block) take the grouped GEMM at every size, each GEMM's input (x, then h)
-quantized to e4m3 rows first (fp8_activations.py); the adapters read them unquantized.
+with act_block) take the grouped GEMM in every step where they quantize their activations
+(all, or from act_min_tokens on: `--fp8-activations prefill`), each GEMM's input (x,
+then h) quantized to e4m3 rows first (fp8_activations.py); the adapters read them
+unquantized. Smaller steps read them as weight-only experts.
 The expert LoRA kernels are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
 are dequantized on each call.)
 Every launch reads only device tensors and its grid depends on shapes only (no host
@@ -68,18 +70,19 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
     quantized = isinstance(w_gate_up, KERNEL_FORMATS) and isinstance(w_down, KERNEL_FORMATS)
     # W8A8 experts multiply e4m3 by e4m3 on tensor cores at any size (the GEMV form's
     # gain is that it skips converting W; theirs needs no conversion).
-    gemv = (quantized and not w8a8(w_gate_up) and not w8a8(w_down)
+    gemv = (quantized and not w8a8(w_gate_up, num_tokens) and not w8a8(w_down, num_tokens)
             and num_tokens * top_k <= GEMV_PAIRS_PER_EXPERT * w_gate_up.shape[0])
     return "gemv" if gemv else "gemm"
 
 
 def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **epilogue) -> None:
     """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (which
-    alone takes lora_b: the delta given as shrunk rows). W8A8 weights quantize `a`
-    first (its rows, once for all their pairs)."""
+    alone takes lora_b: the delta given as shrunk rows). W8A8 weights, in steps where
+    they quantize their activations, quantize `a` first (its rows, once for all their
+    pairs)."""
     if align is None:
         moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
-    elif w8a8(w):
+    elif w8a8(w, topk_ids.shape[0]):
         assert lora_b is None
         a_q, a_scale = quantize_activations(a, w.act_block)
         moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, **epilogue)
@@ -192,7 +195,7 @@ def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: i
         form = base_form(t, top_k, w_gate_up, w_down)
         configs = None if form == "gemv" else (tuple(gemm_config(w_gate_up, t, top_k).items()),
                                                 tuple(gemm_config(w_down, t, top_k).items()))
-        key = (form, configs, lora_form(t, top_k, w_gate_up.device))
+        key = (form, configs, w8a8(w_gate_up, t), w8a8(w_down, t), lora_form(t, top_k, w_gate_up.device))
         ranges.setdefault(key, []).append(t)
     counts = set()
     for ts in ranges.values():

@@ -21,6 +21,7 @@ import torch
 
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
+from loraplex.ops.reference.quant import w8a8
 
 PACKAGE_DIR = Path(__file__).parent / "configs"
 ENV_VAR = "LORAPLEX_MOE_CONFIG_DIR"
@@ -38,11 +39,12 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index).replace(" ", "_").replace("/", "_")
 
 
-def weight_format(w) -> str | None:
+def weight_format(w, num_tokens: int | None = None) -> str | None:
     """The format a weight's GEMM configs are tuned for: None (a tensor), "mxfp4", "fp8",
-    "w8a8" (FP8 with e4m3 activations: another kernel path)."""
+    "w8a8" (FP8 with e4m3 activations: another kernel path), in a step of num_tokens
+    (None: any step where the weight quantizes its activations)."""
     if isinstance(w, Fp8Weight):
-        return "w8a8" if w.act_block else "fp8"
+        return "w8a8" if w8a8(w, num_tokens) else "fp8"
     return "mxfp4" if isinstance(w, Mxfp4Weight) else None
 
 
@@ -89,7 +91,8 @@ def tuned_config(w, num_tokens: int) -> dict | None:
     if w.device.type != "cuda":
         return None
     e, n, k = w.shape
-    table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype, weight_format(w)))
+    table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype,
+                                          weight_format(w, num_tokens)))
     if not table:
         return None
     return near_entry(table, num_tokens)

@@ -58,7 +58,7 @@ def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     if tuned is not None:
         return tuned
     rows = num_tokens * top_k / w.shape[0]
-    table = W8A8_DEFAULT_CONFIGS if weight_format(w) == "w8a8" else DEFAULT_CONFIGS
+    table = W8A8_DEFAULT_CONFIGS if weight_format(w, num_tokens) == "w8a8" else DEFAULT_CONFIGS
     return dict(next(cfg for limit, cfg in table if rows <= limit))
 
 

@@ -187,15 +187,15 @@ def moe_gemm_quant(
     a_scale: torch.Tensor | None = None,
 ) -> None:
     """moe_gemm (moe_gemm.py, same arguments) with w a quantized weight of logical shape
-    [E, N, K], read as dequantize(w); or, W8A8 (an Fp8Weight with act_block), `a` the
-    e4m3 rows and `a_scale` their scales (fp8_activations.quantize_activations)."""
+    [E, N, K], read as dequantize(w); or, W8A8 (an Fp8Weight with act_block, in a step
+    where it quantizes its activations), `a` the e4m3 rows and `a_scale` their scales
+    (fp8_activations.quantize_activations)."""
     assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
     e, n_w, k = w.shape
     n = n_w // 2 if activation else n_w
     assert a.shape[1] == k and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
-    a8 = w8a8(w)
-    assert (a_scale is not None) == a8 and a.dtype == (torch.float8_e4m3fn if a8 else w.dtype), (
-        a.dtype, w.dtype)
+    a8 = a_scale is not None
+    assert a.dtype == (torch.float8_e4m3fn if a8 else w.dtype) and (w8a8(w) or not a8), (a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
     if delta is not None:
