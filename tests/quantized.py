@@ -83,6 +83,9 @@ def write_dequantized(src: Path, out: Path, round_trip) -> Path:
 
 # -- serving a checkpoint against its dequantized twin ------------------------------------
 
+# bf16 W8A8 against its twin: the spread of tolerance() this many times over.
+W8A8_BF16_SPREAD = 3
+
 PROMPT_SCORING = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
 
 
@@ -126,7 +129,7 @@ def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False, ac
     served in one batch with base rows beside the adapter's (MoE: test_moe's criterion,
     as a bf16 router near a tie may pick another expert). act_block: the twin quantizes
     its linear layers' inputs as W8A8 serving does (quantize_linear_inputs)."""
-    from conftest import HFOracle, tolerance
+    from conftest import DTYPE, HFOracle, tolerance
     from test_moe import _assert_close
 
     lora = LoRARequest("a", 1, str(adapter_dir)) if adapter_dir else None
@@ -135,6 +138,10 @@ def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False, ac
     oracles = {None: HFOracle(oracle_dir)}
     if lora is not None:
         oracles[lora] = HFOracle(oracle_dir, adapter_dir)
+    # In bf16 the twin rounds each dequantized activation and weight to bf16 (loraplex
+    # multiplies e4m3 values in float32), and a last-bit difference upstream moves an
+    # activation's e4m3 rounding by a 1/16 step now and then: W8A8 widens the spread.
+    spread = W8A8_BF16_SPREAD if act_block and DTYPE != "float32" else 1
     if act_block:
         for oracle in oracles.values():
             quantize_linear_inputs(oracle.model, act_block)
@@ -143,7 +150,7 @@ def check_against_twin(llm, oracle_dir, prompts, adapter_dir=None, moe=False, ac
         if moe:
             _assert_close(prompt_logprobs_of(out, p), want)
         else:
-            torch.testing.assert_close(prompt_logprobs_of(out, p), want, atol=tolerance(), rtol=0)
+            torch.testing.assert_close(prompt_logprobs_of(out, p), want, atol=tolerance() * spread, rtol=0)
 
 
 def write_tiny_qwen3_moe(out_dir: Path) -> Path:

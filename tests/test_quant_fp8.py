@@ -49,14 +49,14 @@ def _on_device(w: Fp8Weight) -> Fp8Weight:
     return copy.deepcopy(w).to(DEVICE)  # (Module.to moves in place)
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 64, 200, 300])
+@pytest.mark.parametrize("t", [1, 3, 17, 64, 200])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["block128", "per-channel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_gemm_matches_the_reference(t, per_channel, dtype):
     """ops.linear through the Triton backend: N and K multiples of no tile, K not of
     128; decode counts take the GEMV form, the others tensor-core tiles (on a GPU, from
     DEQUANTIZE_MIN_TOKENS on, W dequantized and the dense GEMM)."""
-    assert 200 < fp8_gemm.DEQUANTIZE_MIN_TOKENS <= 300
+    assert 64 < fp8_gemm.DEQUANTIZE_MIN_TOKENS <= 200
     n, k = 72, 200
     w = _weight(n, k, k if per_channel else 128, dtype, seed=t)
     gen = torch.Generator().manual_seed(100 + t)
@@ -465,7 +465,7 @@ def test_fp8_tuner_cli_path(tmp_path, monkeypatch, capsys):
     assert "not a mixture-of-experts model" in capsys.readouterr().err and not calls
     assert cli(["tune", "--model", "qwen3-30b-a3b", "--quantization", "fp8", *cache]) == 0
     assert [c[0] for c in calls] == ["moe", "fp8"]
-    assert calls[1][1] == [(128, 2048), (2048, 4096), (5120, 2048)]  # router, o, qkv (experts: MoE)
+    assert calls[1][1] == [(2048, 4096), (5120, 2048)]  # o, qkv (experts: MoE; the router stays bf16)
     calls.clear()
     # an FP8 checkpoint: its own scale blocks (per channel: None), no flag needed
     from loraplex.bench.workload import prepare_model_dir

@@ -22,6 +22,7 @@ from quantized import (
     write_tiny_qwen3_moe,
 )
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Fp8Weight
@@ -53,6 +54,18 @@ def test_fp8_block_moe_checkpoint(tmp_path):
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
     check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4))
+
+
+def test_fp8_random_moe_keeps_its_router(tmp_path):
+    """--quantization fp8 with random weights lays Qwen3-MoE out as its published FP8
+    checkpoint: attention and experts in FP8, the router in the model's dtype."""
+    llm = make_llm(write_tiny_qwen3_moe(tmp_path / "moe"), load_format="dummy", quantization="fp8")
+    layer = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.experts.gate_up_proj, Fp8Weight)
+    assert isinstance(layer.self_attn.o_proj.weight, Fp8Weight)
+    assert isinstance(layer.mlp.gate.weight, nn.Parameter)
+    out = llm.generate(random_prompts(2, (5, 9), seed=1), SP, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("damage", ["missing scale", "nan scale", "zero scale", "wrong block shape",

@@ -24,6 +24,10 @@ class MoEDecoderLayer(DecoderLayer):
 
 class MoECausalLM(DenseCausalLM):
     layer_cls = MoEDecoderLayer
+    # --quantization fp8 leaves the routers in the model's dtype, as the published FP8
+    # checkpoints (Qwen3-30B-A3B-FP8) keep them and vLLM builds them (routing is
+    # sensitive, and a [E, H] router is a few hundred KB).
+    unquantized_modules = ("gate",)
 
 
 class MixtralCausalLM(MoECausalLM):
