@@ -49,7 +49,7 @@ def _on_device(w: Fp8Weight) -> Fp8Weight:
     return copy.deepcopy(w).to(DEVICE)  # (Module.to moves in place)
 
 
-@pytest.mark.parametrize("t", [1, 3, 17, 64, 200])
+@pytest.mark.parametrize("t", [1, 3, 12, 17, 64, 200])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["block128", "per-channel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_gemm_matches_the_reference(t, per_channel, dtype):
@@ -128,10 +128,11 @@ from sm90_codegen import compile_sm90, const, widths
 from loraplex.ops.triton import fp8_configs
 from loraplex.ops.triton.fp8_gemm import _fp8_gemm_kernel, scale_mode
 out = {}
-n, k = 6144, 4096
-for t, block, a8 in [(1, 128, 0), (4, 4096, 0), (16, 128, 0), (64, 128, 0), (2048, 128, 0), (2048, 4096, 0),
-                     (1, 128, 1), (16, 128, 1), (64, 128, 1), (2048, 128, 1)]:
-    cfg = fp8_configs.default_config(t, bool(a8))
+k = 4096
+for t, block, a8, n in [(1, 128, 0, 6144), (4, 4096, 0, 6144), (16, 128, 0, 6144), (16, 128, 0, 2048),
+                        (32, 128, 0, 6144), (64, 128, 0, 6144), (2048, 128, 0, 6144), (2048, 4096, 0, 6144),
+                        (1, 128, 1, 6144), (16, 128, 1, 6144), (64, 128, 1, 6144), (2048, 128, 1, 6144)]:
+    cfg = fp8_configs.default_config(t, bool(a8), n)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     args = dict(x_ptr="*fp8e4nv" if a8 else "*bf16", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
                 bias_ptr="*bf16", y_ptr="*bf16",
@@ -144,8 +145,9 @@ for t, block, a8 in [(1, 128, 0), (4, 4096, 0), (16, 128, 0), (64, 128, 0), (204
                 EVEN_K=const(True), EVEN_N=const(True), DOT_PRECISION=const("tf32"), UPCAST=const(False))
     c = compile_sm90(_fp8_gemm_kernel, args, cfg["num_warps"], cfg["num_stages"])
     mma = sorted(set(re.findall(r"(wgmma[.a-z_]*\.m64n\d+k\d+\.f32\.\w+|mma\.sync)", c.asm["ptx"])))
-    name = f"{t}-{block}" + ("-w8a8" if a8 else "")
-    out[name] = dict(shared=c.metadata.shared, mma=mma, **widths(c.asm["ptx"]))
+    name = f"{t}-{block}-N{n}" + ("-w8a8" if a8 else "")
+    out[name] = dict(shared=c.metadata.shared, mma=mma, per_thread=bm * bn // (32 * cfg["num_warps"]),
+                     **widths(c.asm["ptx"]))
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -162,8 +164,10 @@ print(json.dumps(out))
         gemv = name.split("-")[0] in ("1", "4") and not name.endswith("w8a8")
         if gemv:  # plain loads of W, 16 bytes each
             assert c.get("ld.v4.b32", 0) >= 1, (name, c)
-        else:  # pipelined copies to shared memory, and vector stores of the tile
-            stores = c.get("st.v4.b32", 0) + c.get("st.v2.b32", 0)
+        else:  # pipelined copies to shared memory, and vector stores of the tile (one
+            # 32-bit store a thread where the tile has 2 values a thread: 16 x 16 of 4 warps)
+            wide = c["per_thread"] > 2
+            stores = c.get("st.v4.b32", 0) + c.get("st.v2.b32", 0) if wide else c.get("st.b32", 0)
             assert c.get("cp.async.16", 0) >= 2 and stores > 0, (name, c)
 
 
@@ -412,6 +416,20 @@ def test_tuned_fp8_config_files_are_read_for_their_shape(tmp_path, monkeypatch):
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def test_tuners_read_weights_past_l2(monkeypatch):
+    """The tuners cycle through enough copies of a weight that each launch reads it from
+    device memory (twice the L2), at least 2, at most `most`."""
+    from types import SimpleNamespace
+
+    from loraplex.bench import tuning
+
+    h100 = SimpleNamespace(L2_cache_size=50 << 20)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: h100)
+    assert tuning.copies_past_l2(10 << 20, "cuda") == 10
+    assert tuning.copies_past_l2(117 << 20, "cuda") == 2
+    assert tuning.copies_past_l2(256 << 10, "cuda") == 64 and tuning.copies_past_l2(256 << 10, "cuda", 8) == 8
 
 
 def test_fp8_tuner_candidates_run_and_fit():

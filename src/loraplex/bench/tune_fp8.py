@@ -5,9 +5,10 @@ per token count to the JSON files ops/triton/fp8_configs.py reads.
 A model's shapes are its fused projections' [N, K] (q/k/v, o, gate/up, down of every
 dense layer), read from the model built on the meta device. Each is timed over random
 e4m3 weights with the model's scale blocks (128 columns for block-scaled checkpoints and
-load-time quantization, K per channel) as bench/tune_moe.py times the MoE GEMM: CUDA
-events around a batch of launches, median of repeats; configs that fail to compile or
-launch are skipped.
+load-time quantization, K per channel), enough copies of it to read each from device
+memory rather than L2 (as a model's layers are read), launches replayed from a CUDA
+graph (bench/tuning.time_ms: decode-sized GEMMs take a few microseconds, less than the
+host's launch), median of repeats; configs that fail to compile or launch are skipped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
+from loraplex.bench.tuning import SMEM_BYTES, copies_past_l2, fastest, projection_shapes
 from loraplex.config import ModelConfig, QuantConfig
 from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
 from loraplex.ops.triton.fp8_gemm import DEQUANTIZE_MIN_TOKENS, fp8_linear, scale_mode
@@ -52,7 +53,8 @@ def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2, w8a8:
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps,
                                 num_stages=3))
     max_m = max(MIN_DOT_M, 2 * triton.next_power_of_2(num_tokens))
-    space = ((16, 32, 64, 128), (32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 5))
+    # BLOCK_N 16: a narrow W (o's 2,048 rows) in enough programs at decode sizes
+    space = ((16, 32, 64, 128), (16, 32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 6))
     if num_tokens >= 256:  # prefill: tensor-core sizes only
         space = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4))
     for bm, bn, bk, warps, stages in itertools.product(*space):
@@ -86,11 +88,12 @@ def scale_block(cfg: ModelConfig) -> int | None:
     return fp8_quant(cfg).weight_block[1] or None
 
 
-def _best(x: torch.Tensor, w, num_tokens: int) -> dict | None:
+def _best(x: torch.Tensor, ws: list, num_tokens: int) -> dict | None:
+    w = ws[0]
     w8a8 = bool(w.act_block)
     return fastest(candidates(num_tokens, w.shape[1], w.block_k, 1 if w8a8 else x.element_size(), w8a8),
-                   lambda cfg: lambda: fp8_linear(x, w, None, cfg),
-                   f"N={w.shape[0]} K={w.shape[1]} T={num_tokens}")
+                   lambda cfg: lambda: [fp8_linear(x, w, None, cfg) for w in ws],
+                   f"N={w.shape[0]} K={w.shape[1]} T={num_tokens}", per=len(ws))
 
 
 def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
@@ -107,13 +110,16 @@ def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
     name = device_name(dev)
     paths = []
     for n, k in shapes:
-        w = Fp8Weight((n, k), block_k or k, dtype, dev, act_block)
-        quantize_fp8(torch.randn(n, k, device=dev, generator=gen) * 0.02, w.block_k, out=w)
+        ws = []  # read from device memory in turn, as a model's layers are (not from L2)
+        for _ in range(copies_past_l2(n * k, dev)):
+            w = Fp8Weight((n, k), block_k or k, dtype, dev, act_block)
+            quantize_fp8(torch.randn(n, k, device=dev, generator=gen) * 0.02, w.block_k, out=w)
+            ws.append(w)
         table = {}
         # weight-only GEMMs of DEQUANTIZE_MIN_TOKENS or more run through cuBLAS
         for t in (t for t in batch_sizes if act_block or t < DEQUANTIZE_MIN_TOKENS):
             x = torch.randn(t, k, device=dev, generator=gen).to(dtype)
-            best = _best(x, w, t)
+            best = _best(x, ws, t)
             if best is not None:
                 table[t] = best
         path = out / config_file_name(name, n, k, dtype, bool(act_block))

@@ -17,19 +17,50 @@ SMEM_BYTES = 200 * 1024  # H100 / H200 allow 227 KiB per block; leave room for t
 
 
 def time_ms(fn, repeats: int = 20, inner: int = 10) -> float:
-    """Median over `repeats` of the mean time of `inner` back-to-back calls."""
-    fn()
+    """Median over `repeats` of the mean time of `inner` back-to-back calls, replayed from a
+    CUDA graph where `fn` can be captured (as serving replays decode steps: a kernel of a
+    few microseconds is timed, not the host's launch of it), else launched eagerly."""
+    fn()  # compiles, and raises for a config that cannot run
     torch.cuda.synchronize()
+    replay = _captured(fn, inner)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(inner):
-            fn()
+        if replay is not None:
+            replay()
+        else:
+            for _ in range(inner):
+                fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / inner)
     return statistics.median(times)
+
+
+def _captured(fn, inner: int):
+    """The replay of a CUDA graph of `inner` calls of fn, or None where fn cannot be
+    captured."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return graph.replay
+    except RuntimeError as e:
+        logger.debug("timing eagerly (no graph): %s", e)
+        torch.cuda.synchronize()
+        return None
+
+
+def copies_past_l2(nbytes: int, device: torch.device, most: int = 64) -> int:
+    """How many copies of a weight of nbytes to cycle through so that each launch reads
+    its weight from device memory, as a model's layers do, not from the L2 cache where
+    the previous launch left it (twice the L2, at least 2)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return min(most, max(2, -(-2 * l2 // max(nbytes, 1))))
 
 
 def fastest(configs, launch, what: str, per: int = 1) -> dict | None:

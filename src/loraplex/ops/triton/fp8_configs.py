@@ -27,8 +27,13 @@ GEMV_MAX_TOKENS = 8  # the defaults' GEMV form up to here
 # BLOCK_N] at most 8K elements (64 per thread of 4 warps), BLOCK_N small so that even a
 # narrow W gives a program per SM or more. Tiles: BLOCK_K 64 or 128 divides the usual
 # 128 scale block (one scale per row per tile).
+# Decode sizes want a program per SM or more, and their x tiles are reread by every
+# program: 16-32 tokens on an H100 (Qwen3-30B-A3B, us): q/k/v [5120, 2048] at 16 8.9
+# (BLOCK_N 32), at 32 13.7 -> 11.1 (BLOCK_N 64 -> 16); o [2048, 4096] at 16 11.4 -> 9.8
+# (BLOCK_N 32 -> 16, BLOCK_K 256: NARROW_W), at 32 23.3 -> 11.5.
 DEFAULT_CONFIGS = (
     (16, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (32, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
     (64, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)),
     (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)),
@@ -52,14 +57,21 @@ def config_file_name(device: str, n: int, k: int, dtype: torch.dtype, w8a8: bool
     return f"fp8_gemm_{kind}{device}_N{n}_K{k}_{str(dtype).removeprefix('torch.')}.json"
 
 
-def default_config(num_tokens: int, w8a8: bool = False) -> dict:
+# 9-16 tokens of a W of at most this many rows: 16-row column blocks, 256-column K steps.
+NARROW_W = 2048
+
+
+def default_config(num_tokens: int, w8a8: bool = False, n: int | None = None) -> dict:
     if w8a8:
         return dict(next(cfg for limit, cfg in W8A8_DEFAULT_CONFIGS if num_tokens <= limit))
     if num_tokens <= GEMV_MAX_TOKENS:
         bm = triton.next_power_of_2(max(1, num_tokens))
         return dict(BLOCK_M=bm, BLOCK_N=min(32, 64 // bm), BLOCK_K=128, GROUP_M=1, num_warps=4,
                     num_stages=4)
-    return dict(next(cfg for limit, cfg in DEFAULT_CONFIGS if num_tokens <= limit))
+    cfg = dict(next(cfg for limit, cfg in DEFAULT_CONFIGS if num_tokens <= limit))
+    if num_tokens <= 16 and n is not None and n <= NARROW_W:
+        cfg.update(BLOCK_N=16, BLOCK_K=256)
+    return cfg
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype, num_tokens: int, device: torch.device,
@@ -71,7 +83,7 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, num_tokens: int, device: tor
         tuned = near_entry(table, num_tokens) if table else None
         if tuned is not None:
             return tuned
-    return default_config(num_tokens, w8a8)
+    return default_config(num_tokens, w8a8, n)
 
 
 @functools.cache
