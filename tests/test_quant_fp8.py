@@ -71,6 +71,54 @@ def test_fp8_gemm_matches_the_reference(t, per_channel, dtype):
     assert (fp8_configs.default_config(t)["BLOCK_M"] < 16) == (t <= fp8_configs.GEMV_MAX_TOKENS)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("form", ["gemv", "tiles", "w8a8"])
+def test_fp8_gemm_split_k(split_k, form):
+    """K split over programs whose float32 sums a second kernel adds (with the bias),
+    rounding once: splits that end past K or hold nothing, per-block and per-channel
+    scales, and W8A8's e4m3 tiles."""
+    bm = 8 if form == "gemv" else 16
+    cases = [(1, 200, 128, True), (5, 96, 32, False), (3, 256, 128, True), (7, 200, 200, True)]
+    for t, k, block_k, bias in cases:
+        if form == "w8a8" and block_k == 200:
+            continue  # (W8A8: block-scaled weights)
+        w = _weight(40, k, block_k, torch.bfloat16, seed=t + split_k)
+        if form == "w8a8":
+            w.act_block = block_k
+        gen = torch.Generator().manual_seed(t)
+        x = torch.randn(t, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+        b = (torch.randn(40, generator=gen) * 0.1).to(torch.bfloat16).to(DEVICE) if bias else None
+        cfg = dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=split_k)
+        got = fp8_gemm.fp8_linear(x, _on_device(w), b, cfg)
+        want = reference.linear(x.cpu(), w, None if b is None else b.cpu())
+        tol = 2**-7 * want.abs().max().item()
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2**-7, atol=tol)
+
+
+def test_fp8_split_k_sum_adds_the_lora_expand():
+    """ops.lora_linear's fused form on an FP8 weight: the expand inside the split-K sum
+    (slices off the sum's blocks, tokens of two slots and none), against the reference."""
+    from test_quant_int4 import _lora_operands
+
+    from loraplex.ops.reference.lora import lora_linear, lora_shrink
+    from loraplex.ops.triton.split_k_sum import FusedExpand
+
+    sizes, k, t = (24, 300, 8), 256, 5
+    w = _weight(sum(sizes), k, 128, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(t, k, generator=gen).to(DEVICE)
+    bias = torch.randn(sum(sizes), generator=gen).to(DEVICE)
+    a, b, batch = _lora_operands(t, k, sizes, 8, [1, -1, 0, 2, 1], [4, 2, 0], torch.float32, seed=5)
+    buf = lora_shrink(x, a, batch)
+    joined = []
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=2)
+    got = fp8_gemm.fp8_linear(x, _on_device(w), bias, cfg, lora=FusedExpand(buf, b, sizes, batch,
+                                                                             lambda: joined.append(1)))
+    want = lora_linear(x.cpu(), w, bias.cpu(), a.cpu(), b.cpu(), sizes, batch)
+    assert joined == [1]
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
 # Every way a K tile finds its scales: (block_k, BLOCK_K) -> mode. K = 200.
 SCALE_CASES = [(200, 64, "row"), (128, 64, "tile"), (128, 128, "tile"), (128, 256, "split"),
                (32, 128, "split"), (48, 32, "gather")]
@@ -129,24 +177,28 @@ from loraplex.ops.triton import fp8_configs
 from loraplex.ops.triton.fp8_gemm import _fp8_gemm_kernel, scale_mode
 out = {}
 k = 4096
-for t, block, a8, n in [(1, 128, 0, 6144), (4, 4096, 0, 6144), (16, 128, 0, 6144), (16, 128, 0, 2048),
-                        (32, 128, 0, 6144), (64, 128, 0, 6144), (2048, 128, 0, 6144), (2048, 4096, 0, 6144),
-                        (1, 128, 1, 6144), (16, 128, 1, 6144), (64, 128, 1, 6144), (2048, 128, 1, 6144)]:
+for t, block, a8, n, split in [
+        (1, 128, 0, 6144, 1), (4, 4096, 0, 6144, 1), (16, 128, 0, 6144, 1), (16, 128, 0, 2048, 1),
+        (16, 128, 0, 2048, 4), (32, 128, 0, 6144, 1), (64, 128, 0, 6144, 1), (2048, 128, 0, 6144, 1),
+        (2048, 4096, 0, 6144, 1), (1, 128, 1, 6144, 1), (16, 128, 1, 6144, 1), (16, 128, 1, 6144, 2),
+        (64, 128, 1, 6144, 1), (2048, 128, 1, 6144, 1)]:
     cfg = fp8_configs.default_config(t, bool(a8), n)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     args = dict(x_ptr="*fp8e4nv" if a8 else "*bf16", xs_ptr="*fp32", q_ptr="*fp8e4nv", s_ptr="*fp32",
-                bias_ptr="*bf16", y_ptr="*bf16",
-                T=t, N=n, K=k, stride_xt=k, stride_xst=k // 128, stride_qn=k, stride_sn=-(-k // block),
-                stride_yt=n,
+                bias_ptr="*bf16", y_ptr="*fp32" if split > 1 else "*bf16",
+                T=t, N=n, K=k, K_SPLIT=k // split, stride_xt=k, stride_xst=k // 128, stride_qn=k,
+                stride_sn=-(-k // block), stride_yt=n, stride_ys=t * n,
                 HAS_BIAS=const(True), SCALE_BLOCK=const(block), SCALES=const(scale_mode(block, k, bk)),
+                SPLIT_K=const(split),
                 W8A8=const(bool(a8)), ACT_BLOCK=const(128 if a8 else 1),
                 W_DTYPE=const("bfloat16"), X_DTYPE=const("bfloat16"), GEMV=const(bm < 16),
                 BLOCK_M=const(bm), BLOCK_N=const(bn), BLOCK_K=const(bk), GROUP_M=const(cfg["GROUP_M"]),
                 EVEN_K=const(True), EVEN_N=const(True), DOT_PRECISION=const("tf32"), UPCAST=const(False))
     c = compile_sm90(_fp8_gemm_kernel, args, cfg["num_warps"], cfg["num_stages"])
     mma = sorted(set(re.findall(r"(wgmma[.a-z_]*\.m64n\d+k\d+\.f32\.\w+|mma\.sync)", c.asm["ptx"])))
-    name = f"{t}-{block}-N{n}" + ("-w8a8" if a8 else "")
-    out[name] = dict(shared=c.metadata.shared, mma=mma, per_thread=bm * bn // (32 * cfg["num_warps"]),
+    name = f"{t}-{block}-N{n}-split{split}" + ("-w8a8" if a8 else "")
+    out[name] = dict(shared=c.metadata.shared, mma=mma,
+                     store_bytes=bm * bn // (32 * cfg["num_warps"]) * (4 if split > 1 else 2),
                      **widths(c.asm["ptx"]))
 print(json.dumps(out))
 """
@@ -165,8 +217,8 @@ print(json.dumps(out))
         if gemv:  # plain loads of W, 16 bytes each
             assert c.get("ld.v4.b32", 0) >= 1, (name, c)
         else:  # pipelined copies to shared memory, and vector stores of the tile (one
-            # 32-bit store a thread where the tile has 2 values a thread: 16 x 16 of 4 warps)
-            wide = c["per_thread"] > 2
+            # 32-bit store a thread where that is its share: 16 x 16 bf16 of 4 warps)
+            wide = c["store_bytes"] > 4
             stores = c.get("st.v4.b32", 0) + c.get("st.v2.b32", 0) if wide else c.get("st.b32", 0)
             assert c.get("cp.async.16", 0) >= 2 and stores > 0, (name, c)
 
@@ -394,15 +446,20 @@ def test_tuned_fp8_config_files_are_read_for_their_shape(tmp_path, monkeypatch):
 
     name = fp8_configs.config_file_name("NVIDIA_H100_80GB_HBM3", 6144, 4096, torch.bfloat16)
     assert name == "fp8_gemm_NVIDIA_H100_80GB_HBM3_N6144_K4096_bfloat16.json"
+    # a file of the first tuner's keys (no SPLIT_K: read as 1), then the tuner's entries
     gemv = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=3)
-    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    moe_configs.save_configs(tmp_path / name, {1: gemv, 2048: tiles})
+    tiles = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SPLIT_K=1)
+    split = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4)
+    moe_configs.save_configs(tmp_path / name, {1: gemv})
+    keys = (fp8_configs.KEYS, fp8_configs.OPTIONAL)
+    moe_configs.save_configs(tmp_path / name, {16: split, 2048: tiles}, *keys)
     monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
     monkeypatch.setattr(fp8_configs, "device_name", lambda device: "NVIDIA_H100_80GB_HBM3")
     fp8_configs.clear_cache()
     try:
         cuda = torch.device("cuda")
-        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 1, cuda) == gemv
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 1, cuda) == {**gemv, "SPLIT_K": 1}
+        assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 16, cuda) == split
         assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 4000, cuda) == tiles
         # far from any tuned count, another shape or dtype, or on CPU: the defaults
         assert fp8_configs.gemm_config(6144, 4096, torch.bfloat16, 64, cuda) == fp8_configs.default_config(64)
@@ -416,6 +473,32 @@ def test_tuned_fp8_config_files_are_read_for_their_shape(tmp_path, monkeypatch):
 
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def test_fp8_tuner_tries_split_k_at_decode_sizes(monkeypatch):
+    """tune_fp8: the fastest of the candidates, then (up to SPLIT_K_MAX_TOKENS tokens) the
+    three fastest with K split 2 / 4 / 8 ways where K holds two steps a split; a split
+    wins only where it is faster."""
+    from loraplex.bench import tune_fp8
+
+    asked = []
+
+    def ranked(configs, launch, per):  # time = BLOCK_N, halved by each doubling of SPLIT_K
+        asked.append(configs)
+        return sorted(((c["BLOCK_N"] / c["SPLIT_K"], c) for c in configs), key=lambda r: r[0])
+
+    monkeypatch.setattr(tune_fp8, "ranked", ranked)
+    w = Fp8Weight((64, 512), 128, torch.bfloat16)
+    x = torch.zeros(16, 512, dtype=torch.bfloat16)
+    best = tune_fp8._best(x, [w], 16)
+    assert len(asked) == 2 and all(c["SPLIT_K"] == 1 for c in asked[0])
+    top = sorted(asked[0], key=lambda c: c["BLOCK_N"])[:3]
+    assert {(c["BLOCK_N"], c["BLOCK_K"]) for c in asked[1]} <= {(c["BLOCK_N"], c["BLOCK_K"]) for c in top}
+    assert all(512 >= 2 * c["SPLIT_K"] * c["BLOCK_K"] for c in asked[1])
+    assert best["SPLIT_K"] > 1 and best["BLOCK_N"] == 16
+    asked.clear()
+    assert tune_fp8._best(torch.zeros(256, 512, dtype=torch.bfloat16), [w], 256)["SPLIT_K"] == 1
+    assert len(asked) == 1
 
 
 def test_tuners_read_weights_past_l2(monkeypatch):
@@ -442,7 +525,7 @@ def test_fp8_tuner_candidates_run_and_fit():
     for t in (1, 3, 8, 16, 64, 200, 4096):
         for block_k in (128, 4096):
             cands = tune_fp8.candidates(t, 4096, block_k)
-            assert cands and all(set(c) == set(fp8_configs.CONFIG_KEYS) for c in cands)
+            assert cands and all(set(c) == set(fp8_configs.KEYS) and c["SPLIT_K"] == 1 for c in cands)
             gemv = [c for c in cands if c["BLOCK_M"] < fp8_configs.MIN_DOT_M]
             assert bool(gemv) == (t <= fp8_configs.GEMV_MAX_TOKENS)
             assert all(c["BLOCK_M"] == triton_next_pow2(t) for c in gemv)

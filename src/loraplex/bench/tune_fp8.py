@@ -19,13 +19,23 @@ from pathlib import Path
 import torch
 import triton
 
-from loraplex.bench.tuning import SMEM_BYTES, copies_past_l2, fastest, projection_shapes
+from loraplex.bench.tuning import SMEM_BYTES, copies_past_l2, logger, projection_shapes, ranked
 from loraplex.config import ModelConfig, QuantConfig
-from loraplex.ops.triton.fp8_configs import GEMV_MAX_TOKENS, MIN_DOT_M, clear_cache, config_file_name
+from loraplex.ops.triton.fp8_configs import (
+    GEMV_MAX_TOKENS,
+    KEYS,
+    MIN_DOT_M,
+    OPTIONAL,
+    clear_cache,
+    config_file_name,
+)
 from loraplex.ops.triton.fp8_gemm import DEQUANTIZE_MIN_TOKENS, fp8_linear, scale_mode
 from loraplex.ops.triton.moe_configs import PACKAGE_DIR, device_name, save_configs
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096)
+# Token counts whose best configs are tried again with K split (decode: too few column
+# blocks to fill the GPU, and each program walks all of K).
+SPLIT_K_MAX_TOKENS = 64
 # GEMV form: the [BLOCK_M, BLOCK_K, BLOCK_N] product in registers, at most 64 float32
 # values per thread of 4 warps (more spills).
 GEMV_MAX_PRODUCT = 64 * 32 * 4
@@ -51,7 +61,7 @@ def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2, w8a8:
         for bn, bk, warps in itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8)):
             if bm * bn * bk <= GEMV_MAX_PRODUCT * warps // 4 and scales_ok(bk):
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=warps,
-                                num_stages=3))
+                                num_stages=3, SPLIT_K=1))
     max_m = max(MIN_DOT_M, 2 * triton.next_power_of_2(num_tokens))
     # BLOCK_N 16: a narrow W (o's 2,048 rows) in enough programs at decode sizes
     space = ((16, 32, 64, 128), (16, 32, 64, 128, 256), (64, 128, 256), (4, 8), (3, 4, 6))
@@ -65,7 +75,7 @@ def candidates(num_tokens: int, k: int, block_k: int, elem_bytes: int = 2, w8a8:
             continue
         # grouped ordering where there are several row blocks to group
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8 if num_tokens >= 4 * bm else 1,
-                        num_warps=warps, num_stages=stages))
+                        num_warps=warps, num_stages=stages, SPLIT_K=1))
     return out
 
 
@@ -89,11 +99,23 @@ def scale_block(cfg: ModelConfig) -> int | None:
 
 
 def _best(x: torch.Tensor, ws: list, num_tokens: int) -> dict | None:
+    """The fastest candidate; at decode sizes (SPLIT_K_MAX_TOKENS) then the three fastest
+    again with K split 2, 4 and 8 ways (a split leaves each config's tiles as they are)."""
     w = ws[0]
-    w8a8 = bool(w.act_block)
-    return fastest(candidates(num_tokens, w.shape[1], w.block_k, 1 if w8a8 else x.element_size(), w8a8),
-                   lambda cfg: lambda: [fp8_linear(x, w, None, cfg) for w in ws],
-                   f"N={w.shape[0]} K={w.shape[1]} T={num_tokens}", per=len(ws))
+    w8a8, (n, k) = bool(w.act_block), w.shape
+
+    def launch(cfg):
+        return lambda: [fp8_linear(x, w, None, cfg) for w in ws]
+
+    cands = candidates(num_tokens, k, w.block_k, 1 if w8a8 else x.element_size(), w8a8)
+    times = ranked(cands, launch, len(ws))
+    if num_tokens <= SPLIT_K_MAX_TOKENS:
+        splits = [dict(cfg, SPLIT_K=s) for _, cfg in times[:3] for s in (2, 4, 8)
+                  if k >= 2 * s * cfg["BLOCK_K"]]
+        times = sorted(times + ranked(splits, launch, len(ws)), key=lambda r: r[0])
+    best_ms, best = times[0] if times else (float("inf"), None)
+    logger.info("N=%d K=%d T=%d: %s (%.4f ms)", n, k, num_tokens, best, best_ms)
+    return best
 
 
 def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
@@ -123,7 +145,7 @@ def tune(shapes: list[tuple[int, int]], block_k: int | None, dtype: torch.dtype,
             if best is not None:
                 table[t] = best
         path = out / config_file_name(name, n, k, dtype, bool(act_block))
-        save_configs(path, table)
+        save_configs(path, table, KEYS, OPTIONAL)
         print(f"wrote {path}")
         paths.append(path)
     clear_cache()

@@ -67,18 +67,22 @@ def fastest(configs, launch, what: str, per: int = 1) -> dict | None:
     """The config of `configs` whose launch runs fastest: `launch(cfg)` prepares one and
     returns the call to time (time_ms; `per` of them in each call). Configs that fail to
     compile or launch (out of resources) are skipped. Logs the winner with `what`."""
-    best, best_ms = None, math.inf
-    for cfg in configs:
-        run = launch(cfg)
-        try:
-            ms = time_ms(run) / per
-        except Exception as e:  # out of resources, compile errors: not a candidate here
-            logger.debug("skipping %s: %s", cfg, e)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    times = ranked(configs, launch, per)
+    best_ms, best = times[0] if times else (math.inf, None)
     logger.info("%s: %s (%.4f ms)", what, best, best_ms)
     return best
+
+
+def ranked(configs, launch, per: int = 1) -> list[tuple[float, dict]]:
+    """(ms, config) of each config that runs, fastest first (fastest's timing)."""
+    out = []
+    for i, cfg in enumerate(configs):
+        run = launch(cfg)
+        try:
+            out.append((time_ms(run) / per, i, cfg))
+        except Exception as e:  # out of resources, compile errors: not a candidate here
+            logger.debug("skipping %s: %s", cfg, e)
+    return [(ms, cfg) for ms, _, cfg in sorted(out, key=lambda r: r[:2])]
 
 
 def projection_shapes(cfg, quant) -> list[tuple[int, int]]:

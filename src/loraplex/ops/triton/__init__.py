@@ -12,7 +12,7 @@ from loraplex.ops.formats import Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
-from loraplex.ops.triton.fp8_gemm import fp8_linear
+from loraplex.ops.triton.fp8_gemm import fp8_fuses_expand, fp8_linear
 from loraplex.ops.triton.fused_moe import fused_experts, warm_up_moe
 from loraplex.ops.triton.greedy_accept import greedy_accept
 from loraplex.ops.triton.grouped_lora_add import grouped_lora_add
@@ -88,7 +88,8 @@ def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None)
 def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None):
     """The shrink first (beside the base matmul on side_stream: it reads only x), then the
     base matmul and the expand: in one kernel where the base matmul ends in a kernel of
-    its own (int4 decode steps: the split-K sum), else lora_expand on its output."""
+    its own (int4 and FP8 GEMMs whose config splits K: the split-K sum), else
+    lora_expand on its output."""
     if side_stream is not None:
         main = torch.cuda.current_stream()
         # The side stream starts by waiting on this one, so memory it frees is never
@@ -105,6 +106,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream
 
     if isinstance(weight, Int4Weight) and int4_fuses_expand(x, weight):
         return int4_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))
+    if isinstance(weight, Fp8Weight) and fp8_fuses_expand(x, weight):
+        return fp8_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))
     y = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else quant_linear(x, weight, bias)
     joined()
     lora_expand(buf, lora_b, y, slice_sizes, batch)

@@ -4,8 +4,8 @@ read from JSON data files.
 One file per device, weight shape and activation dtype, written by `loraplex tune --fp8`
 (bench/tune_fp8.py): `fp8_gemm_<device>_N<N>_K<K>_<dtype>.json`, W being [N, K] (a
 fused projection's whole width: q/k/v together, gate/up together). Keys are token
-counts, values the kernel's constexprs (the MoE files' keys: BLOCK_M, BLOCK_N, BLOCK_K,
-GROUP_M, num_warps, num_stages); BLOCK_M under 16 selects the GEMV form. Files are found
+counts, values the kernel's constexprs (KEYS: the MoE files' BLOCK_M, BLOCK_N, BLOCK_K,
+GROUP_M, num_warps, num_stages, and SPLIT_K); BLOCK_M under 16 selects the GEMV form. Files are found
 where the MoE configs are ($LORAPLEX_MOE_CONFIG_DIR, then the package's configs/:
 moe_configs.py's lookup, shared). A step takes the entry tuned for the nearest token
 count if it is within a factor of 2, else the defaults.
@@ -20,6 +20,10 @@ import triton
 
 from loraplex.ops.triton.moe_configs import CONFIG_KEYS, device_name, load_configs, near_entry
 
+# A config's keys: the MoE files' and SPLIT_K (K split over that many programs, their
+# float32 sums added by a second kernel: fp8_gemm.py), 1 where a file lacks it.
+KEYS = (*CONFIG_KEYS, "SPLIT_K")
+OPTIONAL = (("SPLIT_K", 1),)
 # Under 16 rows tl.dot has no tile: BLOCK_M < 16 is the GEMV form (fp8_gemm.py).
 MIN_DOT_M = 16
 GEMV_MAX_TOKENS = 8  # the defaults' GEMV form up to here
@@ -88,7 +92,7 @@ def gemm_config(n: int, k: int, dtype: torch.dtype, num_tokens: int, device: tor
 
 @functools.cache
 def _table(device: str, n: int, k: int, dtype: torch.dtype, w8a8: bool) -> dict[int, dict] | None:
-    return load_configs(config_file_name(device, n, k, dtype, w8a8))
+    return load_configs(config_file_name(device, n, k, dtype, w8a8), KEYS, OPTIONAL)
 
 
 def clear_cache() -> None:

@@ -26,7 +26,9 @@ Two forms of the one kernel, chosen by the config's BLOCK_M (fp8_configs.py):
   dequantized [BLOCK_K, BLOCK_N] W tile fed to tl.dot as x's dtype (bf16 MMA), grouped
   program order so GROUP_M row blocks share W tiles in L2.
 From DEQUANTIZE_MIN_TOKENS tokens on a GPU, W is dequantized whole and cuBLAS multiplies.
-No split-K: the GEMV form's parallelism is its BLOCK_N (the tuner's to choose). Scales
+Split K (the config's SPLIT_K, decode sizes): each split's programs write float32 sums
+of their K columns and split_k_sum.py adds them, the bias, and an adapted projection's
+LoRA expand (ops.lora_linear: one launch fewer), rounding once. Scales
 (scale_mode): one per row loaded once (per channel), one per row and tile (BLOCK_K
 divides block_k), whole blocks broadcast over the tile (block_k a power of 2 dividing
 BLOCK_K: the GEMV form's long K steps), else one gathered per element.
@@ -53,6 +55,7 @@ from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import fp8_w8a8_step
+from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Weight-only steps of this many tokens or more on a GPU dequantize W into a scratch
@@ -84,9 +87,9 @@ def round_to(v, DTYPE: tl.constexpr, EMULATE_BF16: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, q_ptr, s_ptr, bias_ptr, y_ptr,
-    T, N, K,
-    stride_xt, stride_xst, stride_qn, stride_sn, stride_yt,
-    HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALES: tl.constexpr,
+    T, N, K, K_SPLIT,
+    stride_xt, stride_xst, stride_qn, stride_sn, stride_yt, stride_ys,
+    HAS_BIAS: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALES: tl.constexpr, SPLIT_K: tl.constexpr,
     W8A8: tl.constexpr, ACT_BLOCK: tl.constexpr,
     W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -101,6 +104,10 @@ def _fp8_gemm_kernel(
     group_size = tl.minimum(m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_size
     pid_n = (pid % in_group) // group_size
+    # This program's K columns: all, or (SPLIT_K > 1) its split's K_SPLIT, a multiple of
+    # BLOCK_K (its float32 sums go to y[split], summed by split_k_sum.py).
+    k_first = tl.program_id(1) * K_SPLIT
+    k_last = tl.minimum(K, k_first + K_SPLIT)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,7 +126,7 @@ def _fp8_gemm_kernel(
         SWAP: tl.constexpr = BLOCK_M < 64  # W's rows on the MMA's M side (fp8_w8a8_step)
         if SWAP:  # the sum transposed, [BLOCK_N, BLOCK_M], until the epilogue
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_last, BLOCK_K):
             k = k0 + offs_k
             x = row_tile(x_rows, k, K, m_mask, 1, EVEN_K, UPCAST)
             x_scale = tl.load(xs_rows + k0 // ACT_BLOCK, mask=m_mask, other=0.0)
@@ -128,7 +135,7 @@ def _fp8_gemm_kernel(
         if SWAP:
             acc = tl.trans(acc)
     else:  # weight-only: W dequantized to x's dtype in registers
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_last, BLOCK_K):
             k = k0 + offs_k
             if EVEN_K:
                 x = tl.load(x_rows + k[None, :], mask=m_mask[:, None], other=0.0)
@@ -159,21 +166,30 @@ def _fp8_gemm_kernel(
             else:
                 acc += tl.dot(x, w.to(x_ptr.dtype.element_ty), input_precision=DOT_PRECISION)
 
-    if HAS_BIAS:
+    if HAS_BIAS and SPLIT_K == 1:  # (split: the sum adds it)
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if UPCAST:  # the interpreter's bf16 store truncates: round first (exact after)
+    if UPCAST and SPLIT_K == 1:  # the interpreter's bf16 store truncates: round first (exact after)
         acc = round_to(acc, X_DTYPE, UPCAST)
-    y = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
+    y = y_ptr + tl.program_id(1) * stride_ys + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
     if EVEN_N:  # rows alone masked: vector stores
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None])
     else:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def fp8_fuses_expand(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether fp8_linear of x can take a FusedExpand: its config splits K."""
+    t, (n, k) = x.numel() // x.shape[-1], w.shape
+    a8 = w8a8(w, t)
+    return (x.is_cuda and 0 < t and (a8 or t < DEQUANTIZE_MIN_TOKENS)
+            and gemm_config(n, k, x.dtype, t, x.device, w8a8=a8).get("SPLIT_K", 1) > 1)
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-               cfg: dict | None = None) -> torch.Tensor:
+               cfg: dict | None = None, lora: FusedExpand | None = None) -> torch.Tensor:
     """ops.linear(x, w, bias) for an Fp8Weight w [N, K]: x [..., K] -> [..., N] in x's
-    dtype. `cfg` (fp8_configs.CONFIG_KEYS) overrides the tuned or default config."""
+    dtype. `cfg` (fp8_configs.KEYS) overrides the tuned or default config. `lora`: its
+    expand added in the split-K sum (the config must split K: fp8_fuses_expand)."""
     n, k = w.shape
     assert w.data.dim() == 2 and x.shape[-1] == k, (x.shape, w.shape)
     assert x.dtype in _DTYPES and w.dtype in _DTYPES, (x.dtype, w.dtype)
@@ -193,26 +209,34 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     if bias is not None:
         assert bias.shape == (n,) and bias.stride(0) == 1, bias.shape
     a8 = w8a8(w, t)
-    if cfg is None and not a8 and t >= DEQUANTIZE_MIN_TOKENS and x.is_cuda:
+    if cfg is None and not a8 and t >= DEQUANTIZE_MIN_TOKENS and x.is_cuda and lora is None:
         return F.linear(x2, _dequantize(w).to(x.dtype), bias).view(*lead, n)
     cfg = cfg or gemm_config(n, k, x.dtype, t, x.device, w8a8=a8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    split_k = cfg.get("SPLIT_K", 1)
+    assert lora is None or split_k > 1, "a fused LoRA expand needs the split-K sum"
     if a8:  # e4m3 rows and their scales; a K step inside one block of each
         assert bm >= MIN_DOT_M and w.act_block == w.block_k, (cfg, w.act_block, w.block_k)
         bk = min(bk, w.act_block)
     xq, xs = quantize_activations(x2, w.act_block) if a8 else (x2, scale)
-    grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn),)
+    dest = y if split_k == 1 else torch.empty(split_k, t, n, dtype=torch.float32, device=x.device)
+    k_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
+    grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn), split_k)
     _fp8_gemm_kernel[grid](
-        xq, xs, data, scale, bias if bias is not None else scale, y,
-        t, n, k,
-        xq.stride(0), xs.stride(0), data.stride(0), scale.stride(0), y.stride(0),
+        xq, xs, data, scale, bias if bias is not None else scale, dest,
+        t, n, k, k_split,
+        xq.stride(0), xs.stride(0), data.stride(0), scale.stride(0), dest.stride(-2),
+        dest.stride(0) if split_k > 1 else 0,
         HAS_BIAS=bias is not None, SCALE_BLOCK=w.block_k, SCALES=scale_mode(w.block_k, k, bk),
+        SPLIT_K=split_k,
         W8A8=a8, ACT_BLOCK=max(w.act_block, 1),
         W_DTYPE=_DTYPES[w.dtype], X_DTYPE=_DTYPES[x.dtype], GEMV=bm < MIN_DOT_M,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, **dot_settings(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if split_k > 1:
+        split_k_sum(dest, bias, y, lora)
     return y.view(*lead, n)
 
 

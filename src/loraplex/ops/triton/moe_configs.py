@@ -60,16 +60,19 @@ def search_dirs() -> list[Path]:
 
 
 @functools.cache
-def load_configs(file_name: str, keys: tuple[str, ...] = CONFIG_KEYS) -> dict[int, dict] | None:
-    """{token count: config (`keys`)} from the first directory holding `file_name`, else None.
-    A file that is not such a table raises ModelLoadError naming it (read as the engine
-    warms up: at startup)."""
+def load_configs(file_name: str, keys: tuple[str, ...] = CONFIG_KEYS,
+                 optional: tuple[tuple[str, int], ...] = ()) -> dict[int, dict] | None:
+    """{token count: config (`keys`)} from the first directory holding `file_name`, else None;
+    `optional` (key, value) pairs fill keys older files lack. A file that is not such a
+    table raises ModelLoadError naming it (read as the engine warms up: at startup)."""
+    defaults = dict(optional)
     for d in search_dirs():
         path = d / file_name
         if path.is_file():
             try:
                 table = json.loads(path.read_text())
-                return {int(m): {key: int(cfg[key]) for key in keys} for m, cfg in table.items()}
+                return {int(m): {key: int(cfg[key] if key in cfg or key not in defaults else defaults[key])
+                                 for key in keys} for m, cfg in table.items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ModelLoadError(f"{path}: not a table of tuned configs (token count -> "
                                      f"{', '.join(keys)}): {e!r}") from e
@@ -106,11 +109,14 @@ def near_entry(table: dict[int, dict], num_tokens: int) -> dict | None:
     return dict(table[m]) if m / 2 <= num_tokens <= 2 * m else None
 
 
-def save_configs(path: Path, table: dict[int, dict], keys: tuple[str, ...] = CONFIG_KEYS) -> None:
+def save_configs(path: Path, table: dict[int, dict], keys: tuple[str, ...] = CONFIG_KEYS,
+                 optional: tuple[tuple[str, int], ...] = ()) -> None:
     """Writes `table` (configs of `keys`) into the file at `path`, keeping its entries for
-    other token counts (decode and prefill sizes are tuned in separate runs)."""
+    other token counts (decode and prefill sizes are tuned in separate runs; an older
+    entry without an `optional` key gets its value)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    old = {int(m): cfg for m, cfg in json.loads(path.read_text()).items()} if path.is_file() else {}
+    old = {int(m): {**dict(optional), **cfg} for m, cfg in json.loads(path.read_text()).items()} \
+        if path.is_file() else {}
     rows = {str(m): {key: int(cfg[key]) for key in keys}
             for m, cfg in sorted({**old, **table}.items())}
     path.write_text(json.dumps(rows, indent=1) + "\n")

@@ -1,5 +1,6 @@
-"""The second kernel of a split-K GEMM (int4_gemm.py's decode form): out[m] = the
-splits' float32 partial sums, added in split order, + bias, rounded once to out's dtype.
+"""The second kernel of a split-K GEMM (int4_gemm.py's decode form, fp8_gemm.py's where a
+config splits K): out[m] = the splits' float32 partial sums, added in split order, +
+bias, rounded once to out's dtype.
 
 An adapted projection's LoRA expand (ops.lora_linear) joins it where there is one: each
 token's delta buf[slice(n), t, :r] @ B[slot(t), n, :r] is added before the one rounding,
