@@ -7,7 +7,8 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant tune-int4 gemms-int4 | spec-cost |
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant tune-int4 tune-fp8 gemms-int4 |
+#        spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -243,6 +244,11 @@ for step in $STEPS; do
       timeout 570 python3 -m loraplex.entrypoints.cli tune --model llama-3.1-8b --quantization awq \
         --batch-sizes ${TUNE_SIZES:-32} --out "$OUT/configs" --cache-dir "$CACHE" 2>&1 \
         | grep -E "wrote|N=" | tail -20 ;;
+    tune-fp8)  # the FP8 dense GEMM's configs (split K tried at decode sizes) at Qwen3-30B-A3B's o and
+      # q/k/v, weight-only, into $OUT/configs (TUNE_SIZES token counts); then LORAPLEX_MOE_CONFIG_DIR=$OUT/configs
+      timeout 570 python3 -c "import sys, torch; from loraplex.bench import tune_fp8
+tune_fp8.tune([(2048, 4096), (5120, 2048)], 128, torch.bfloat16, [int(t) for t in sys.argv[1:]], '$OUT/configs')" \
+        ${TUNE_SIZES:-8 16 32 64} 2>&1 | grep -E "wrote|N=" | tail -20 ;;
     tp)  # RESULTS: "Tensor parallel" (two GPUs or more; TP_PARTS picks): the TP tests in bf16, Llama-3.1-8B
       # TP=1 vs TP=2 at 64 in flight, Llama-3.1-70B TP=2 base and 32 adapters of rank 16 at 32 in flight
       for part in ${TP_PARTS:-tests 8b 70b}; do case $part in
