@@ -158,6 +158,28 @@ def test_gpt_oss_dummy_weights(gpt_oss_dir, tmp_path):
         assert torch.isfinite(lps).all()
 
 
+def test_gpt_oss_fp8_at_load_time(gpt_oss_dir):
+    """--quantization fp8 on a bf16 gpt-oss checkpoint (whole expert stacks, transposed and
+    interleaved): attention and experts in FP8, each the bf16 weight loaded as usual and
+    then quantized; the router (as in the published MXFP4 checkpoint) in bf16; it
+    generates."""
+    from loraplex.ops.formats import Fp8Weight
+    from loraplex.ops.reference.quant import dequantize, quantize_fp8
+
+    llm = make_llm(gpt_oss_dir, quantization="fp8")
+    layer = llm.engine.runner.model.model.layers[0]
+    experts = layer.mlp.experts
+    assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
+    assert isinstance(layer.self_attn.o_proj.weight, Fp8Weight)
+    assert isinstance(layer.mlp.router.weight, torch.nn.Parameter)
+    bf16 = make_llm(gpt_oss_dir).engine.runner.model.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        want = dequantize(quantize_fp8(getattr(bf16, name).detach().cpu(), 128))
+        assert torch.equal(dequantize(getattr(experts, name)).cpu(), want), name
+    out = llm.generate(random_prompts(1, (10, 12), seed=4), SP)[0].outputs[0]
+    assert len(out.token_ids) == NUM_NEW
+
+
 def test_gpt_oss_adapters_match_peft(gpt_oss_dir, tmp_path):
     """LoRA on attention and every expert (PEFT target_parameters on the
     transposed, gate/up-interleaved experts) against PEFT; in a batch with the base."""

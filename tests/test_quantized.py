@@ -56,10 +56,12 @@ def test_fp8_block_moe_checkpoint(tmp_path):
     check_against_twin(llm, oracle, random_prompts(3, (5, 30), seed=4))
 
 
-def test_fp8_random_moe_keeps_its_router(tmp_path):
-    """--quantization fp8 with random weights lays Qwen3-MoE out as its published FP8
-    checkpoint: attention and experts in FP8, the router in the model's dtype."""
-    llm = make_llm(write_tiny_qwen3_moe(tmp_path / "moe"), load_format="dummy", quantization="fp8")
+@pytest.mark.parametrize("load_format", ["dummy", "safetensors"])
+def test_fp8_moe_keeps_its_router(tmp_path, load_format):
+    """--quantization fp8 (random weights, or a bf16 checkpoint quantized as it loads)
+    lays Qwen3-MoE out as its published FP8 checkpoint: attention and experts in FP8,
+    the router in the model's dtype."""
+    llm = make_llm(write_tiny_qwen3_moe(tmp_path / "moe"), load_format=load_format, quantization="fp8")
     layer = llm.engine.runner.model.model.layers[0]
     assert isinstance(layer.mlp.experts.gate_up_proj, Fp8Weight)
     assert isinstance(layer.self_attn.o_proj.weight, Fp8Weight)

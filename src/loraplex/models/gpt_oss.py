@@ -32,6 +32,8 @@ class GptOssDecoderLayer(DecoderLayer):
 
 class GptOssCausalLM(DenseCausalLM):
     layer_cls = GptOssDecoderLayer
+    # --quantization fp8 leaves the routers in bf16, as the MXFP4 checkpoint does.
+    unquantized_modules = ("router",)
     # Read by the adapter loader (models/weights.py adapter_targets): expert adapters in
     # the checkpoint's column order are de-interleaved like the weights.
     checkpoint_gate_up_interleaved = True
