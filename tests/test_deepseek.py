@@ -188,6 +188,73 @@ def test_fp8_at_load_time(deepseek, tmp_path):
             _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))
 
 
+def _write_fp8_checkpoint(model_dir, out, block=(16, 32)) -> tuple:
+    """(DeepSeek's FP8 layout of model_dir, its dequantized twin): every projection of
+    attention (kv_b_proj too) and of the MLPs, experts and shared experts, in e4m3 with
+    weight_scale_inv per [16, 32] block (q_a_proj's 24 rows and kv_a_proj_with_mqa's 40,
+    fused in one layer, are not whole blocks); routers, norms and embeddings as they were."""
+    import json
+    import re
+
+    from quantized import fp8_block_dequantize, fp8_block_quantize
+    from safetensors.torch import load_file, save_file
+
+    projection = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.([a-z_]+\.)?(\d+\.)?"
+                            r"[a-z_]*proj[a-z_]*\.weight$")
+    quantized, dequantized = {}, {}
+    for name, t in load_file(str(model_dir / "model.safetensors")).items():
+        if projection.search(name):
+            q, scale = fp8_block_quantize(t, block)
+            quantized |= {name: q, f"{name}_scale_inv": scale}
+            dequantized[name] = fp8_block_dequantize(q, scale, block).to(t.dtype)
+        else:
+            quantized[name] = dequantized[name] = t
+    dirs = out / "fp8", out / "dequantized"
+    for d, tensors in zip(dirs, (quantized, dequantized)):
+        shutil.copytree(model_dir, d)
+        save_file(tensors, str(d / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dirs[0] / "config.json").write_text(json.dumps(config))
+    return dirs
+
+
+def test_fp8_checkpoint(deepseek, tmp_path):
+    """DeepSeek's own FP8 layout (block-scaled e4m3 with weight_scale_inv, kv_b_proj
+    included): served as transformers + PEFT serve its dequantized twin, adapter rows
+    beside base rows, by the reference ops and the Triton kernels; kv_b_proj, which
+    latent attention reads as a tensor, dequantized as it loads. A projection stored
+    without its scales fails at load naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.errors import ModelLoadError
+    from loraplex.ops.formats import Fp8Weight
+
+    model_dir, adapter = deepseek
+    quantized, oracle = _write_fp8_checkpoint(model_dir, tmp_path)
+    llms = [make_llm(quantized, ops_backend=b) for b in ("torch", "triton")]
+    model = llms[0].engine.runner.model.model
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    assert isinstance(attn.qkv_a_proj.weight, Fp8Weight) and isinstance(moe.experts.gate_up_proj, Fp8Weight)
+    assert isinstance(moe.shared_experts.gate_up_proj.weight, Fp8Weight)
+    assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
+    assert isinstance(moe.gate.weight, torch.nn.Parameter)
+    prompts = random_prompts(4, (5, 30), seed=8)
+    lora = LoRARequest("all", 1, str(adapter))
+    loras = [lora, None] * 2
+    oracles = {lora: HFOracle(oracle, adapter), None: HFOracle(oracle)}
+    for llm in llms:
+        for p, out, a in zip(prompts, llm.generate(prompts, SP, loras), loras):
+            _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))
+    path = quantized / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(tensors, str(path))
+    with pytest.raises(ModelLoadError, match="kv_b_proj.*weight_scale_inv|kv_b_proj.*only its"):
+        make_llm(quantized)
+
+
 def test_speculation_changes_no_greedy_token(deepseek):
     """n-gram speculation over latent attention (verification steps run eagerly: the
     latent op for chunks longer than one token reads the batch on the host), adapter

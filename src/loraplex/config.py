@@ -210,9 +210,6 @@ class MLAConfig:
     def from_hf(cls, arch: str, hf, rope: dict) -> MLAConfig:
         if getattr(hf, "attention_bias", False):
             raise UnsupportedModel(f"{arch}: attention_bias with latent attention is not supported")
-        if getattr(hf, "quantization_config", None):
-            raise UnsupportedModel(f"{arch}: quantized checkpoints with latent attention are not "
-                                   "supported yet")
         qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
         return cls(hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim,
                    hf.v_head_dim, qk**-0.5 * _softmax_mscale(rope) ** 2,

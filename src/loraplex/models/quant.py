@@ -40,12 +40,14 @@ def quantized_layers(model: nn.Module, cfg: ModelConfig, checkpoint_names: set[s
     if quant is None:
         return set()
     layers = deferred_layers(model)
+    # A model may keep some projections in its dtype: DeepSeek's kv_b_proj, which latent
+    # attention reads as a tensor (absorbed into queries and outputs). A checkpoint that
+    # stores one quantized has it dequantized as it loads (models/weights.py).
+    keep = set(getattr(model, "unquantized_modules", ()))
+    layers = {path: m for path, m in layers.items()
+              if not (isinstance(m, LoRALinear) and keep & set(m.slice_names))}
     if checkpoint_names is None or quant.online:
-        # A model may keep some projections in its dtype: DeepSeek's kv_b_proj, which
-        # latent attention reads as a tensor (absorbed into queries and outputs).
-        keep = set(getattr(model, "unquantized_modules", ()))
-        return {path for path, m in layers.items() if _covers(quant, path, m)
-                and not (isinstance(m, LoRALinear) and keep & set(m.slice_names))}
+        return {path for path, m in layers.items() if _covers(quant, path, m)}
     marks = QUANTIZED_MARKS[quant.method]
     marked = {n for n in checkpoint_names if n.endswith(marks)}
     out = set()

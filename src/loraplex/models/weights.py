@@ -25,7 +25,13 @@ from loraplex.layers.linear import LoRALinear
 from loraplex.layers.moe import Experts
 from loraplex.layers.parallel import Shard
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.formats.checkpoint import ingest, init_quantized, safetensors_files
+from loraplex.ops.formats.checkpoint import (
+    dequantized_weight,
+    ingest,
+    init_quantized,
+    safetensors_files,
+    stored_quantized,
+)
 
 # Checkpoint tensors that carry no weights (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -135,6 +141,7 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
                  for b, _ in w.named_buffers(recurse=False)}
     loaded: set[str] = set()
     expert_parts: dict[str, set] = {}  # fused expert weight (or buffer) -> (expert, part) loaded
+    kept_parts: dict[str, dict] = {}  # a kept projection's quantized tensors until all have come
 
     files = safetensors_files(model_dir)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
@@ -153,6 +160,16 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         tensor = handle.get_tensor(ckpt_name)
         if transform is not None:
             tensor = transform(name, tensor)
+        kept = module_path in index and isinstance(index[module_path].layer.weight, nn.Parameter)
+        if kept and quant is not None and stored_quantized(quant, kind, tensor):
+            # a projection the model keeps in its dtype, stored quantized: dequantized whole
+            parts = kept_parts.setdefault(module_path, {})
+            parts[kind] = tensor
+            tensor = dequantized_weight(quant, parts, module_path)
+            if tensor is None:
+                continue
+            del kept_parts[module_path]
+            kind, name = "weight", f"{module_path}.weight"
         expert = _EXPERT.match(name)
         if expert is not None and f"{expert['experts']}.gate_up_proj" in quantized:
             key, w, rows = _expert_rows(model, quantized, expert)
@@ -203,6 +220,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
         num_experts = model.get_submodule(experts).num_experts
         if len(parts) == num_experts * (2 if ".gate_up_proj" in key else 1):
             loaded.add(key)
+    if kept_parts:
+        path, parts = next(iter(kept_parts.items()))
+        raise ModelLoadError(f"{path}: stored quantized, but the checkpoint has only its {sorted(parts)}")
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"{model_dir} lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -22,7 +22,7 @@ from loraplex.ops.formats import Fp8Weight, Int4Weight, Mxfp4Weight, QuantizedWe
 from loraplex.ops.formats.checks import expect, finite_scales
 from loraplex.ops.formats.int4 import ingest_int4
 from loraplex.ops.formats.mxfp4 import ingest_mxfp4
-from loraplex.ops.reference.quant import quantize
+from loraplex.ops.reference.quant import dequantize, quantize
 
 # The checkpoint tensors (name suffixes) that mark a layer as quantized, per method.
 QUANTIZED_MARKS = {
@@ -32,6 +32,26 @@ QUANTIZED_MARKS = {
     "gptq": ("qweight",),
     "mxfp4": ("_blocks",),
 }
+
+
+def stored_quantized(quant: QuantConfig, kind: str, tensor: torch.Tensor) -> bool:
+    """Whether a checkpoint tensor (its name's last part `kind`) is part of a weight stored
+    in quant's FP8 format: the e4m3 weight, or its scales."""
+    return quant.format == "fp8" and (kind in QUANTIZED_MARKS[quant.method]
+                                      or (kind == "weight" and tensor.dtype == torch.float8_e4m3fn))
+
+
+def dequantized_weight(quant: QuantConfig, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The float32 weight that FP8 parts of the module `name` stand for (kind -> tensor, as
+    stored_quantized picks them), once the weight and its scales have all come; else None.
+    For a layer its model keeps in its dtype (DeepSeek's kv_b_proj) in a checkpoint that
+    stores it quantized."""
+    if "weight" not in parts or not set(QUANTIZED_MARKS[quant.method]) <= set(parts):
+        return None
+    w = new_weight(quant, tuple(parts["weight"].shape), torch.float32, "cpu")
+    for kind, tensor in parts.items():
+        ingest(w, quant, kind, tensor, (), f"{name}.{kind}")
+    return dequantize(w)
 
 
 def new_weight(quant: QuantConfig, shape: tuple[int, ...], dtype: torch.dtype, device) -> QuantizedWeight:
