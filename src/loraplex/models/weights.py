@@ -195,7 +195,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
                 tensor = (tp.weight if kind == "weight" else tp.bias)(proj.slice).take(tensor)
             key = name
         elif name in quantized and quant.online:  # a whole bf16 expert stack, quantized as it loads
-            done = ingest(quantized[name], quant, "weight", tensor, (), name)
+            for e in range(tensor.shape[0]):  # an expert at a time (the quantizer's temporaries)
+                done = ingest(quantized[name], quant, "weight", tensor[e], (e,), name)
             loaded |= {f"{name}.{d}" for d in done}
             continue
         elif name not in params and (stem := _fused_quantized(name, quantized)) is not None:  # *_blocks
