@@ -2,7 +2,8 @@
 
 Weight-only (Fp8Weight.act_block 0):
 y[t, n] = sum_k x[t, k] * Wd[n, k] + bias[n], Wd = dequantize(W) (ops.linear's semantics).
-W8A8 (act_block set: `--fp8-activations dynamic` on block-scaled weights): x is quantized to
+W8A8 (act_block set: `--fp8-activations dynamic` on block-scaled weights, or `prefill`
+in steps of act_min_tokens or more; ops.reference.quant.w8a8 decides): x is quantized to
 e4m3 rows first (fp8_activations.py), and each K step (inside one scale block of x and
 of W) is an e4m3 x e4m3 MMA scaled by the two blocks' scales, float32 sums, rounded
 once (ops.reference.quant.linear). Tiles at every token count; under 64 rows the
@@ -26,12 +27,15 @@ Two forms of the one kernel, chosen by the config's BLOCK_M (fp8_configs.py):
   dequantized [BLOCK_K, BLOCK_N] W tile fed to tl.dot as x's dtype (bf16 MMA), grouped
   program order so GROUP_M row blocks share W tiles in L2.
 From DEQUANTIZE_MIN_TOKENS tokens on a GPU, W is dequantized whole and cuBLAS multiplies.
-Split K (the config's SPLIT_K, decode sizes): each split's programs write float32 sums
-of their K columns and split_k_sum.py adds them, the bias, and an adapted projection's
-LoRA expand (ops.lora_linear: one launch fewer), rounding once. Scales
-(scale_mode): one per row loaded once (per channel), one per row and tile (BLOCK_K
-divides block_k), whole blocks broadcast over the tile (block_k a power of 2 dividing
-BLOCK_K: the GEMV form's long K steps), else one gathered per element.
+
+Split K (the config's SPLIT_K, decode sizes; either form, and W8A8): each split's
+programs write float32 sums of their K columns and split_k_sum.py adds them, the bias,
+and an adapted projection's LoRA expand (ops.lora_linear: one launch fewer), rounding
+once.
+
+Scales (scale_mode): one per row loaded once (per channel), one per row and tile
+(BLOCK_K divides block_k), whole blocks broadcast over the tile (block_k a power of 2
+dividing BLOCK_K: the GEMV form's long K steps), else one gathered per element.
 
 The grid follows T, N and the config alone (no host sync, nothing read from the device),
 so CUDA graphs replay it; T is not specialized (one compiled variant for any count).
