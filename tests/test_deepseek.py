@@ -160,17 +160,9 @@ def test_fp8_at_load_time(deepseek, tmp_path):
     base rows, by the reference ops and by the Triton kernels."""
     from safetensors.torch import load_file, save_file
 
-    from loraplex.ops.formats import Fp8Weight
     from loraplex.ops.reference.quant import dequantize, quantize_fp8
 
     model_dir, adapter = deepseek
-    llms = [make_llm(model_dir, quantization="fp8", ops_backend=b) for b in ("torch", "triton")]
-    model = llms[0].engine.runner.model.model
-    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
-    assert isinstance(attn.o_proj.weight, Fp8Weight) and isinstance(moe.experts.gate_up_proj, Fp8Weight)
-    assert isinstance(moe.shared_experts.down_proj.weight, Fp8Weight)
-    assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
-    assert isinstance(moe.gate.weight, torch.nn.Parameter)
     oracle = tmp_path / "round-tripped"
     shutil.copytree(model_dir, oracle)
     tensors = load_file(str(model_dir / "model.safetensors"))
@@ -179,11 +171,29 @@ def test_fp8_at_load_time(deepseek, tmp_path):
                 and "kv_b_proj" not in name) or ".experts." in name:
             tensors[name] = dequantize(quantize_fp8(t, 128)).to(t.dtype)
     save_file(tensors, str(oracle / "model.safetensors"))
+    _check_fp8_model(model_dir, oracle, adapter, quantization="fp8")
+
+
+def _check_fp8_model(model_dir, oracle, adapter, **kwargs) -> None:
+    """The model at model_dir served in FP8 (`kwargs`: how it gets there) by the reference
+    ops and the Triton kernels (the interpreter on CPU): every projection and expert in
+    FP8 but kv_b_proj (latent attention reads it as a tensor) and the routers; prompt
+    logprobs as transformers + PEFT give them on `oracle`, adapter rows beside base rows."""
+    from loraplex.ops.formats import Fp8Weight
+
+    llms = [make_llm(model_dir, ops_backend=b, **kwargs) for b in ("torch", "triton")]
+    model = llms[0].engine.runner.model.model
+    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
+    fp8 = (attn.qkv_a_proj.weight, attn.o_proj.weight, moe.experts.gate_up_proj, moe.experts.down_proj,
+           moe.shared_experts.gate_up_proj.weight, moe.shared_experts.down_proj.weight)
+    assert all(isinstance(w, Fp8Weight) for w in fp8)
+    assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
+    assert isinstance(moe.gate.weight, torch.nn.Parameter)
     prompts = random_prompts(4, (5, 30), seed=8)
     lora = LoRARequest("all", 1, str(adapter))
     loras = [lora, None] * 2
     oracles = {lora: HFOracle(oracle, adapter), None: HFOracle(oracle)}
-    for llm in llms:  # the reference ops, and the Triton kernels (the interpreter on CPU)
+    for llm in llms:
         for p, out, a in zip(prompts, llm.generate(prompts, SP, loras), loras):
             _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))
 
@@ -229,24 +239,10 @@ def test_fp8_checkpoint(deepseek, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from loraplex.errors import ModelLoadError
-    from loraplex.ops.formats import Fp8Weight
 
     model_dir, adapter = deepseek
     quantized, oracle = _write_fp8_checkpoint(model_dir, tmp_path)
-    llms = [make_llm(quantized, ops_backend=b) for b in ("torch", "triton")]
-    model = llms[0].engine.runner.model.model
-    attn, moe = model.layers[1].self_attn, model.layers[1].mlp
-    assert isinstance(attn.qkv_a_proj.weight, Fp8Weight) and isinstance(moe.experts.gate_up_proj, Fp8Weight)
-    assert isinstance(moe.shared_experts.gate_up_proj.weight, Fp8Weight)
-    assert isinstance(attn.kv_b_proj.weight, torch.nn.Parameter)
-    assert isinstance(moe.gate.weight, torch.nn.Parameter)
-    prompts = random_prompts(4, (5, 30), seed=8)
-    lora = LoRARequest("all", 1, str(adapter))
-    loras = [lora, None] * 2
-    oracles = {lora: HFOracle(oracle, adapter), None: HFOracle(oracle)}
-    for llm in llms:
-        for p, out, a in zip(prompts, llm.generate(prompts, SP, loras), loras):
-            _assert_close(_prompt_lps(out, p), oracles[a].prompt_logprobs(p))
+    _check_fp8_model(quantized, oracle, adapter)
     path = quantized / "model.safetensors"
     tensors = load_file(str(path))
     del tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
