@@ -185,6 +185,33 @@ def test_tuned_config_files(tmp_path, monkeypatch):
     assert fused_moe.gemm_config(w, 1000, 2)["BLOCK_M"] == 64
 
 
+@pytest.mark.parametrize("bad,named", [
+    ({"SPLIT_K": 0}, "SPLIT_K = 0"), ({"BLOCK_N": 48}, "BLOCK_N = 48"), ({"num_warps": 64}, "num_warps = 64"),
+    ({"num_stages": -1}, "num_stages = -1"), ({"GROUP_M": "x"}, "GROUP_M")])
+def test_tuned_config_values_are_checked_at_load(tmp_path, monkeypatch, bad, named):
+    """A config file with a value no kernel can run fails as it loads (the engine's warm-up,
+    at startup), naming the file and the value, not later as a division by zero or a
+    compile error in a step."""
+    from loraplex.errors import ModelLoadError
+    from loraplex.ops.triton import fp8_configs
+
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=2)
+    name = "fp8_gemm_NVIDIA_H200_N64_K128_bfloat16.json"
+    (tmp_path / name).write_text(json.dumps({"16": cfg, "32": {**cfg, **bad}}))
+    monkeypatch.setenv(moe_configs.ENV_VAR, str(tmp_path))
+    moe_configs.load_configs.cache_clear()
+    try:
+        with pytest.raises(ModelLoadError, match=named) as e:
+            moe_configs.load_configs(name, fp8_configs.KEYS, fp8_configs.OPTIONAL)
+        assert name in str(e.value)
+        (tmp_path / name).write_text(json.dumps({"0": cfg}))
+        moe_configs.load_configs.cache_clear()
+        with pytest.raises(ModelLoadError, match="token count 0"):
+            moe_configs.load_configs(name, fp8_configs.KEYS, fp8_configs.OPTIONAL)
+    finally:
+        moe_configs.load_configs.cache_clear()
+
+
 def test_moe_warm_up_covers_every_config_a_step_can_pick(monkeypatch):
     """The engine compiles the expert kernels at start for one token count per distinct
     (gate/up config, down config, expert-LoRA form); every count up to the step budget

@@ -71,12 +71,28 @@ def load_configs(file_name: str, keys: tuple[str, ...] = CONFIG_KEYS,
         if path.is_file():
             try:
                 table = json.loads(path.read_text())
-                return {int(m): {key: int(cfg[key] if key in cfg or key not in defaults else defaults[key])
-                                 for key in keys} for m, cfg in table.items()}
+                table = {int(m): {key: int(cfg[key] if key in cfg or key not in defaults else defaults[key])
+                                  for key in keys} for m, cfg in table.items()}
+                for m, cfg in table.items():
+                    _check_config(m, cfg)
+                return table
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ModelLoadError(f"{path}: not a table of tuned configs (token count -> "
                                      f"{', '.join(keys)}): {e!r}") from e
     return None
+
+
+def _check_config(num_tokens: int, cfg: dict) -> None:
+    """A hand-edited or foreign file fails here, naming the value, not as a division by
+    zero or a compile error mid-step: token counts and every value >= 1, tile sizes and
+    warps powers of 2."""
+    if num_tokens < 1:
+        raise ValueError(f"token count {num_tokens} (>= 1)")
+    for key, v in cfg.items():
+        pow2 = key.startswith("BLOCK_") or key == "num_warps"
+        if v < 1 or (pow2 and v & (v - 1)) or (key == "num_warps" and v > 32):
+            rule = "a power of 2" + (" up to 32" if key == "num_warps" else "") if pow2 else ">= 1"
+            raise ValueError(f"{num_tokens}: {key} = {v} ({rule})")
 
 
 def nearest(table: dict[int, dict], num_tokens: int) -> dict:
