@@ -139,7 +139,29 @@ def build_parser():
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
+    p.add_argument("--without-activation-quant", action="store_true",
+                   help="W8A8: the graphs without the activations' quantization launches (each "
+                        "quantization replays its first result: wrong values, the bound of fusing it away)")
     return p
+
+
+def without_activation_quant() -> None:
+    """Each W8A8 quantization of activations returns, for its shape, the rows and scales
+    it first computed (eagerly, at warm-up), so the captured graphs launch none: what a
+    step would take with the quantization fused into the kernels that write the
+    activations. The outputs are wrong (stale e4m3 rows, finite); routing reads the bf16
+    rows and stays as in serving."""
+    from loraplex.ops.triton import fp8_gemm, fused_moe
+
+    first = fp8_gemm.quantize_activations
+    cache = {}
+
+    def replay_first(x, block):
+        key = (tuple(x.shape), block, x.dtype, x.device)
+        if key not in cache:
+            cache[key] = tuple(t.clone() for t in first(x, block))
+        return cache[key]
+    fp8_gemm.quantize_activations = fused_moe.quantize_activations = replay_first
 
 
 def main(argv=None):
@@ -150,6 +172,8 @@ def main(argv=None):
 
     if args.gemv_pairs_per_expert is not None:
         fused_moe.GEMV_PAIRS_PER_EXPERT = args.gemv_pairs_per_expert
+    if args.without_activation_quant:
+        without_activation_quant()
 
     engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,

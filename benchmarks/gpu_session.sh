@@ -7,7 +7,8 @@
 # Steps: tests tests32 moe-tests quant-tests | kernels gemms moe-kernels attention prefill-lora |
 #        profile breakdown prefill mixed | bench qwen3-moe gpt-oss cold |
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
-#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant tune-int4 tune-fp8 gemms-int4 |
+#        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
+#        tune-int4 tune-fp8 gemms-int4 |
 #        spec-cost |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
@@ -91,6 +92,13 @@ for step in $STEPS; do
         run breakdown-$2-g$3 150 decode_breakdown --model $1 --quantization $2 --batch 16 --prompt-len 1600 \
           --adapters 0 --gemv-pairs-per-expert $3 --out "$OUT/breakdown-$2-g$3.json" \
           | grep -E "decode graph|moe\.|fused_experts|paged_att|linear\." | head -12
+      done ;;
+    quant-launches)  # Qwen3-30B-A3B W8A8's decode step with and without its activations' quantization
+      # launches (--without-activation-quant: the bound of fusing them into the kernels that write them)
+      for flag in "" --without-activation-quant; do
+        run quant-launches${flag:+-without} 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
+          --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 0 $flag \
+          --out "$OUT/quant-launches${flag:+-without}.json" | grep -E "decode graph|moe\.|linear\." | head -8
       done ;;
     prefill)  # RESULTS: "Steps with prefill tokens"
       run prefill 300 profile_prefill --out "$OUT/prefill.json" | grep -E "^\[|host us" ;;

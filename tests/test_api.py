@@ -73,6 +73,14 @@ def test_broken_checkpoints(model_dirs, tmp_path):
     extra = _copy_with(src, tmp_path / "extra", lambda t: t.update({"model.foo": torch.zeros(2)}))
     with pytest.raises(ModelLoadError, match="unexpected tensor 'model.foo'"):
         make_llm(extra)
+    # On a projection: a tensor kind it does not take (a scale in a checkpoint with no
+    # quantization_config), a bias it does not have.
+    q = "model.layers.0.self_attn.q_proj"
+    for kind, said in (("weight_scale", "quantization_config"), ("bias", "no bias")):
+        name = f"{q}.{kind}"
+        extra = _copy_with(src, tmp_path / f"extra-{kind}", lambda t, n=name: t.update({n: torch.ones(4)}))
+        with pytest.raises(ModelLoadError, match=f"unexpected tensor '{name}'.*{said}"):
+            make_llm(extra)
 
     def shrink(t):
         t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1]

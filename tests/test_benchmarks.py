@@ -130,3 +130,26 @@ def test_profile_decode_layer_timeline():
     assert [k["name"] for k in got] == ["_write_kv_kernel", "_gemm_kernel", "_shrink"]
     assert [k["stream"] for k in got] == [7, 9, 7] and [k["start_us"] for k in got] == [0.0, 1.5, 3.5]
     assert layer_timeline(events, "_absent", steps=2) == []
+
+
+def test_decode_breakdown_can_time_w8a8_without_its_quantization_launches(monkeypatch):
+    """--without-activation-quant: each quantization of a shape replays its first result
+    (computed once, eagerly), so a graph captured after it launches none."""
+    pytest.importorskip("triton")
+    import torch
+    from conftest import DEVICE
+
+    from benchmarks import decode_breakdown
+    from loraplex.ops.triton import fp8_gemm, fused_moe
+
+    calls = []
+    real = fp8_gemm.quantize_activations
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda x, b: calls.append(x.shape) or real(x, b))
+    monkeypatch.setattr(fused_moe, "quantize_activations", fused_moe.quantize_activations)  # restored after
+    decode_breakdown.without_activation_quant()
+    x = torch.randn(3, 256, device=DEVICE)
+    first = fp8_gemm.quantize_activations(x, 128)
+    assert torch.equal(first[0].float(), real(x, 128)[0].float())
+    assert fused_moe.quantize_activations(x + 1, 128) is first and len(calls) == 1
+    fp8_gemm.quantize_activations(torch.randn(5, 256, device=DEVICE), 128)
+    assert len(calls) == 2
