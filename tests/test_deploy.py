@@ -9,7 +9,7 @@ import json
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -287,10 +287,12 @@ def test_requests_for_an_adapter_land_where_it_is_resident(fleet):
     resident = [r for r in adapter_receipts if r["adapter_source"] in ("host", "device")]
     tiers = Counter(r["adapter_source"] for r in adapter_receipts)
     assert len(resident) >= 0.9 * len(adapter_receipts), tiers
-    where = defaultdict(set)
-    for r in receipts:
-        where[r["adapter"]].add(r["replica"])
-    assert len(where[None]) == 2  # base requests spread over both
+    # Base requests are pinned nowhere: alone, six at a time, they spread over both. (Beside
+    # the adapters' traffic they may all go to the replica the adapters leave idle.)
+    with ThreadPoolExecutor(6) as pool:
+        base = list(pool.map(lambda i: _complete(fleet.url, "tiny", max_tokens=3), range(24)))
+    assert all(a.status_code == 200 for a in base)
+    assert len({a.json()["loraplex"]["replica"] for a in base}) == 2
 
 
 def test_a_killed_replica_fails_only_its_own_streams(fleet, adapter_dirs):
