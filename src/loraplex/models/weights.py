@@ -191,7 +191,8 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, tied_embeddings: b
             proj = index[module_path]
             if getattr(proj.layer, kind, None) is None:  # (a router's score bias is one of its own)
                 takes = "a weight and a bias" if proj.layer.bias is not None else "a weight, no bias"
-                hint = " (quantized tensors need the config's quantization_config)" if quant is None else ""
+                hint = (" (quantized tensors need the config's quantization_config)"
+                        if quant is None and kind != "bias" else "")
                 raise ModelLoadError(f"unexpected tensor {name!r} in {model_dir}: {module_path} takes "
                                      f"{takes}{hint}")
             dest = getattr(proj.layer, kind)[proj.layer.slice_rows(proj.slice)]
