@@ -62,6 +62,9 @@ for step in $STEPS; do
     moe-kernels)  # RESULTS: "One MoE layer", "Expert adapters in decode"
       run moe-kernels 400 moe_kernels --tokens 1 16 64 2048 8192 --out "$OUT/moe-kernels.json" \
         | grep -v "^ " ;;
+    prefill-quant)  # RESULTS: "Prefill of quantized experts" (the quantized GEMM against dequantized + bf16)
+      run prefill-quant 300 moe_kernels --sections prefill-quant --tokens 256 512 1024 2048 4096 8192 \
+        --out "$OUT/prefill-quant.json" ;;
     attention)  # RESULTS: "Decode attention"
       run attention 400 attention_sweep --out "$OUT/attention.json" ;;
     prefill-lora)  # RESULTS: "LoRA kernels in a step with prefill tokens"

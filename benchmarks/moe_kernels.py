@@ -21,18 +21,27 @@ Sections:
                programs per pair swept) and aligned by (slot, expert) (the prefill form),
                the alignment and the per-pair kernels alone with their tunables.
 
-Figures: benchmarks/RESULTS.md, "One MoE layer" (layer) and "Expert adapters in decode"
-(decode-lora).
+  prefill-quant  quantized experts (gpt-oss-20b MXFP4, Qwen3-30B-A3B FP8 blocks of 128)
+               at prompt-sized token counts: fused_experts with the quantized grouped
+               GEMM (W decoded in registers) against the stacks dequantized into scratch
+               then the bf16 GEMM (moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT picks),
+               the bf16 experts and the dequantization alone; eager calls (CUDA events).
+
+Figures: benchmarks/RESULTS.md, "One MoE layer" (layer), "Expert adapters in decode"
+(decode-lora), "Prefill of quantized experts" (prefill-quant).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
 from benchmarks import harness
 
-SECTIONS = ("layer", "decode-lora")
+SECTIONS = ("layer", "decode-lora", "prefill-quant")
+# prefill-quant: each bundled MoE config in its published quantized format.
+QUANT_FORMATS = {"gpt-oss-20b": "mxfp4", "qwen3-30b-a3b": "fp8"}
 
 
 def layer_case(name: str, t: int, bandwidth: float, rank=16, slots=16) -> dict:
@@ -188,6 +197,70 @@ def decode_lora(name: str, layers=6, t=16, slots=16, rank=16) -> list[dict]:
     return rows
 
 
+def prefill_quant(name: str, token_counts: list[int]) -> list[dict]:
+    """Quantized experts at prompt sizes, both forms (see the module docstring), ms a layer."""
+    import torch
+
+    from loraplex import ops
+
+    # Engine internals: the form switch, the dequantization kernel, the dummy quantizer.
+    from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
+    from loraplex.ops.formats.checkpoint import init_quantized
+    from loraplex.ops.triton import fused_experts, moe_configs
+    from loraplex.ops.triton.dequantize import dequantize
+
+    e, h, i, k = harness.model_shape(name).expert_shape()
+    dev, dt, fmt = "cuda", torch.bfloat16, QUANT_FORMATS[name]
+    gen = torch.Generator(dev).manual_seed(0)
+
+    def quantized(shape):
+        w = Mxfp4Weight(shape, dt, device=dev) if fmt == "mxfp4" else Fp8Weight(shape, 128, dt, device=dev)
+        init_quantized(w, 0.02, gen)
+        return w
+
+    q_gu, q_d = quantized((e, 2 * i, h)), quantized((e, h, i))
+    w_gu, w_d = dequantize(q_gu), dequantize(q_d)
+    act, limit = ("swiglu_oai", 7.0) if name == "gpt-oss-20b" else ("silu", None)
+    rows = []
+    thresholds = moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT
+    saved = thresholds[fmt]
+    try:
+        for t in token_counts:
+            x = torch.randn(t, h, device=dev, generator=gen).to(dt)
+            weights, ids = ops.route_experts(torch.randn(t, e, device=dev, generator=gen), k, True)
+
+            def timed(w1, w2, threshold):
+                thresholds[fmt] = threshold
+                return harness.events_ms(
+                    lambda: fused_experts(x, weights, ids, w1, w2, act, swiglu_limit=limit), repeats=10)
+
+            row = dict(model=name, format=fmt, tokens=t, bf16_ms=timed(w_gu, w_d, saved),
+                       quantized_gemm_ms=timed(q_gu, q_d, 1 << 30), dequantized_ms=timed(q_gu, q_d, 0),
+                       dequantize_alone_ms=harness.events_ms(lambda: (dequantize(q_gu), dequantize(q_d)),
+                                                             repeats=10))
+            rows.append(row)
+            print(f"{name} {fmt} T={t}: bf16 {row['bf16_ms']:.3f} ms, quantized GEMM "
+                  f"{row['quantized_gemm_ms']:.3f}, dequantized + bf16 GEMM {row['dequantized_ms']:.3f} "
+                  f"(dequantize alone {row['dequantize_alone_ms']:.3f})", flush=True)
+    finally:
+        thresholds[fmt] = saved
+    # The dequantization kernel's tile (rows x columns a program) and warps (its module:
+    # ops.triton's `dequantize` attribute is the function).
+    dq = importlib.import_module("loraplex.ops.triton.dequantize")
+
+    default = dq.TILES[fmt]
+    try:
+        for tile in ((16, 256, 4), (32, 256, 4), (16, 512, 4), (32, 512, 8), (64, 256, 8), (8, 1024, 4),
+                     (64, 512, 8), (16, 1024, 8), (4, 1024, 4), (2, 2048, 4), (4, 2048, 8)):
+            dq.TILES[fmt] = tile
+            ms = harness.events_ms(lambda: (dequantize(q_gu), dequantize(q_d)), repeats=10)
+            rows.append(dict(model=name, format=fmt, dequantize_tile=tile, dequantize_ms=ms))
+            print(f"{name} {fmt} dequantize, BLOCK_R x BLOCK_K x warps {tile}: {ms:.3f} ms", flush=True)
+    finally:
+        dq.TILES[fmt] = default
+    return rows
+
+
 def build_parser():
     p = harness.parser(__doc__)
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -222,6 +295,11 @@ def main(argv=None):
         results["decode_lora"] = []
         for name in harness.moe_configs():
             results["decode_lora"] += decode_lora(name)
+            torch.cuda.empty_cache()
+    if "prefill-quant" in args.sections:
+        results["prefill_quant"] = []
+        for name in QUANT_FORMATS:
+            results["prefill_quant"] += prefill_quant(name, args.tokens)
             torch.cuda.empty_cache()
     harness.write_json(args.out, results, args)
 

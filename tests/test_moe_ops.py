@@ -222,7 +222,7 @@ def test_moe_warm_up_covers_every_config_a_step_can_pick(monkeypatch):
     tuned = {16: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
              2048: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)}
     monkeypatch.setattr(moe_gemm, "tuned_config",
-                        lambda w, t: dict(tuned[m]) if (m := min(tuned, key=lambda m: abs(m - t)))
+                        lambda w, t, top_k: dict(tuned[m]) if (m := min(tuned, key=lambda m: abs(m - t)))
                         / 2 <= t <= 2 * m else None)
     w_gu, w_d = torch.empty(128, 1536, 2048), torch.empty(128, 2048, 768)
     max_tokens = 5000

@@ -203,6 +203,34 @@ def test_gemv_form_with_whole_deltas_first(monkeypatch, fmt):
                             torch.float32, 32 if fmt == "fp8" else 128)
 
 
+@pytest.mark.parametrize("with_lora", [None, "aligned"], ids=["base", "lora"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_prefill_steps_read_quantized_experts_dequantized(monkeypatch, fmt, with_lora):
+    """Steps of DEQUANTIZE_MIN_PAIRS_PER_EXPERT pairs an expert or more write each
+    quantized stack out in its dtype (one kernel) and run the plain grouped GEMM, with
+    its configs (a bf16 table, not the format's), against the same oracle; smaller steps
+    keep the quantized kernels. W8A8 experts keep theirs at every size."""
+    monkeypatch.setitem(moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT, fmt, 8)
+    calls = count_quantized_kernels(monkeypatch)
+    written = []
+    real = fused_moe.dequantize_kernel
+    monkeypatch.setattr(fused_moe, "dequantize_kernel", lambda w: written.append(w.shape) or real(w))
+    act = "swiglu_oai" if fmt == "mxfp4" else "silu"
+    e, h, i = 4, 64, 32
+    check_quantized_experts(monkeypatch, fmt, 17, e, 2, h, i, act, fmt == "mxfp4", "gemm", "default",
+                            with_lora, torch.float32, 32)  # 17 x 2 pairs over 4 experts: >= 8 each
+    assert calls == {"gemm": 0, "gemv": 0}
+    assert written == [(e, 2 * i, h), (e, h, i)] * 2  # summed and per-term calls
+    if fmt == "fp8":
+        w8 = Fp8Weight((e, 2 * i, h), 32, torch.bfloat16, device="meta", act_block=32)
+        assert not moe_configs.dequantized(w8, 4096, 2) and moe_configs.weight_format(w8, 4096, 2) == "w8a8"
+        return
+    w_gu, w_d = (Mxfp4Weight(shape, torch.bfloat16, device="meta") for shape in ((e, 2 * i, h), (e, h, i)))
+    assert [moe_configs.weight_format(w_gu, t, 2) for t in (15, 16)] == ["mxfp4", None]
+    # Warm-up compiles both sides of the switch.
+    assert {15, 16} <= set(fused_moe.warm_up_token_counts(w_gu, w_d, 2, 24))
+
+
 def test_int4_experts_are_dequantized_first():
     """Int4 experts (AWQ / GPTQ MoE checkpoints), which no expert kernel reads, still
     serve: dequantized on entry, as the reference does."""

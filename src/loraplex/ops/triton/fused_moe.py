@@ -13,11 +13,14 @@ shrunk [R] row and the GEMV's programs expand it at their own columns: two short
 kernels in front of the GEMVs instead of two that also stream every B.
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
-Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored, never
-dequantized in memory: the grouped GEMM's quantized variant (moe_gemm_quant.py), or,
-for steps of no more pairs than experts (decode), one program per pair and column
-block (moe_gemv_quant.py), which needs no expert alignment. W8A8 experts (Fp8Weight
-with act_block) take the grouped GEMM in every step where they quantize their activations
+Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored in steps of
+fewer pairs per expert than moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT: the grouped
+GEMM's quantized variant (moe_gemm_quant.py), or, for steps of no more pairs than
+experts (decode), one program per pair and column block (moe_gemv_quant.py), which needs
+no expert alignment. Larger steps (prefill) dequantize each stack into a scratch tensor
+just before its GEMM and run the bf16 grouped GEMM on it (one stack at a time:
+gpt-oss-20b's gate/up is 1 GB). W8A8 experts (Fp8Weight with act_block) take the
+grouped GEMM in every step where they quantize their activations
 (all, or from act_min_tokens on: `--fp8-activations prefill`), each GEMM's input (x,
 then h) quantized to e4m3 rows first (fp8_activations.py); the adapters read them
 unquantized. Smaller steps read them as weight-only experts.
@@ -34,10 +37,12 @@ import torch
 from loraplex.ops.formats import QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize, w8a8
+from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
 from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
+from loraplex.ops.triton.moe_configs import dequantized
 from loraplex.ops.triton.moe_gemm import gemm_config, moe_gemm
 from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant
 from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
@@ -79,9 +84,13 @@ def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **
     """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (which
     alone takes lora_b: the delta given as shrunk rows). W8A8 weights, in steps where
     they quantize their activations, quantize `a` first (its rows, once for all their
-    pairs)."""
+    pairs); quantized weights in steps that read them dequantized are written out first
+    (cfg is then a bf16 config: moe_configs.weight_format)."""
     if align is None:
         moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
+    elif dequantized(w, *topk_ids.shape):
+        assert lora_b is None
+        moe_gemm(a, dequantize_kernel(w), bias, out, align, cfg, row_div, **epilogue)
     elif w8a8(w, topk_ids.shape[0]):
         assert lora_b is None
         a_q, a_scale = quantize_activations(a, w.act_block)
@@ -195,7 +204,8 @@ def warm_up_token_counts(w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: i
         form = base_form(t, top_k, w_gate_up, w_down)
         configs = None if form == "gemv" else (tuple(gemm_config(w_gate_up, t, top_k).items()),
                                                 tuple(gemm_config(w_down, t, top_k).items()))
-        key = (form, configs, w8a8(w_gate_up, t), w8a8(w_down, t), lora_form(t, top_k, w_gate_up.device))
+        key = (form, configs, w8a8(w_gate_up, t), w8a8(w_down, t), dequantized(w_gate_up, t, top_k),
+               lora_form(t, top_k, w_gate_up.device))
         ranges.setdefault(key, []).append(t)
     counts = set()
     for ts in ranges.values():

@@ -39,10 +39,34 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index).replace(" ", "_").replace("/", "_")
 
 
-def weight_format(w, num_tokens: int | None = None) -> str | None:
-    """The format a weight's GEMM configs are tuned for: None (a tensor), "mxfp4", "fp8",
-    "w8a8" (FP8 with e4m3 activations: another kernel path), in a step of num_tokens
+# Steps with this many pairs per expert or more (tokens x top_k / experts) read MXFP4
+# and weight-only FP8 experts dequantized: one kernel writes each stack in its dtype into
+# a scratch tensor (ops/triton/dequantize.py) and the bf16 grouped GEMM runs on it, on
+# wgmma tiles fed from shared memory. The quantized GEMM decodes W in registers in front
+# of the MMA: that pays while W's bytes bound the GEMM (decode) and costs more than the
+# scratch's round trip (2.5-3 bytes a weight) once its FLOPs do (prefill), the sooner the
+# costlier the decode (e2m1 more than e4m3). Crossovers on an H200 (benchmarks/RESULTS.md,
+# "Prefill of quantized experts"): gpt-oss-20b MXFP4 ~1,000 tokens (~128 pairs an
+# expert), Qwen3-30B-A3B FP8 ~4,600 (~290).
+DEQUANTIZE_MIN_PAIRS_PER_EXPERT = {"mxfp4": 128, "fp8": 320}
+
+
+def dequantized(w, num_tokens: int | None, top_k: int | None) -> bool:
+    """Whether a step of num_tokens, top_k experts each, reads w (quantized experts) as
+    dequantize(w)."""
+    if num_tokens is None or top_k is None or w8a8(w, num_tokens):
+        return False
+    fmt = "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+    return fmt is not None and num_tokens * top_k >= DEQUANTIZE_MIN_PAIRS_PER_EXPERT[fmt] * w.shape[0]
+
+
+def weight_format(w, num_tokens: int | None = None, top_k: int | None = None) -> str | None:
+    """The format a weight's GEMM configs are tuned for: None (a tensor, or quantized
+    experts the step dequantizes first), "mxfp4", "fp8", "w8a8" (FP8 with e4m3
+    activations: another kernel path), in a step of num_tokens, top_k experts each
     (None: any step where the weight quantizes its activations)."""
+    if dequantized(w, num_tokens, top_k):
+        return None
     if isinstance(w, Fp8Weight):
         return "w8a8" if w8a8(w, num_tokens) else "fp8"
     return "mxfp4" if isinstance(w, Mxfp4Weight) else None
@@ -104,14 +128,14 @@ def _nearest_count(table: dict[int, dict], num_tokens: int) -> int:
     return min(table, key=lambda m: (abs(m - num_tokens), m))
 
 
-def tuned_config(w, num_tokens: int) -> dict | None:
+def tuned_config(w, num_tokens: int, top_k: int | None = None) -> dict | None:
     """The tuned config of weight w [E, N, K] (a tensor or a quantized weight) on its GPU
-    for `num_tokens`, if a file exists."""
+    for `num_tokens` (top_k experts each), if a file exists."""
     if w.device.type != "cuda":
         return None
     e, n, k = w.shape
     table = load_configs(config_file_name(device_name(w.device), e, n, k, w.dtype,
-                                          weight_format(w, num_tokens)))
+                                          weight_format(w, num_tokens, top_k)))
     if not table:
         return None
     return near_entry(table, num_tokens)

@@ -54,11 +54,11 @@ W8A8_DEFAULT_CONFIGS = (
 
 def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     """Tuned config for weight w [E, N, K] if a file exists, else the default table's."""
-    tuned = tuned_config(w, num_tokens)
+    tuned = tuned_config(w, num_tokens, top_k)
     if tuned is not None:
         return tuned
     rows = num_tokens * top_k / w.shape[0]
-    table = W8A8_DEFAULT_CONFIGS if weight_format(w, num_tokens) == "w8a8" else DEFAULT_CONFIGS
+    table = W8A8_DEFAULT_CONFIGS if weight_format(w, num_tokens, top_k) == "w8a8" else DEFAULT_CONFIGS
     return dict(next(cfg for limit, cfg in table if rows <= limit))
 
 
