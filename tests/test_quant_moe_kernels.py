@@ -192,15 +192,18 @@ def test_fp8_experts(monkeypatch, t, e, k, h, i, act, bias, form, blocks, block_
                             block_k or h)
 
 
+@pytest.mark.parametrize("form,with_lora", [("gemv", "gemv"), ("gemm", "gemv"), ("gemm", "aligned")])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_gemv_form_with_whole_deltas_first(monkeypatch, fmt):
-    """The GEMV form's adapters with GEMV_EXPANDS_LORA off (the expert-LoRA kernel writes
-    whole delta rows, the GEMV adds them, as the grouped GEMM does) against the oracle;
-    test_fp8_experts / test_quant_mxfp4 cover it on (the GEMV expands the shrunk rows)."""
+def test_whole_deltas_first(monkeypatch, fmt, form, with_lora):
+    """Adapters with GEMV_EXPANDS_LORA / GEMM_EXPANDS_LORA off (the expert-LoRA kernel
+    writes whole delta rows, the base kernel adds them) against the oracle;
+    test_fp8_experts / test_quant_mxfp4 cover them on (the GEMV expands each pair's
+    shrunk row, the grouped GEMM's epilogue each slot's rows of its tile)."""
     monkeypatch.setattr(fused_moe, "GEMV_EXPANDS_LORA", False)
+    monkeypatch.setattr(fused_moe, "GEMM_EXPANDS_LORA", False)
     act = "swiglu_oai" if fmt == "mxfp4" else "silu"
-    check_quantized_experts(monkeypatch, fmt, 3, 8, 2, 64, 32, act, fmt == "mxfp4", "gemv", "default", "gemv",
-                            torch.float32, 32 if fmt == "fp8" else 128)
+    check_quantized_experts(monkeypatch, fmt, 3, 8, 2, 64, 32, act, fmt == "mxfp4", form, "default",
+                            with_lora, torch.float32, 32 if fmt == "fp8" else 128)
 
 
 @pytest.mark.parametrize("with_lora", [None, "aligned"], ids=["base", "lora"])
