@@ -3,15 +3,15 @@ GEMM, weighted sum over each token's top_k outputs.
 
 The activation runs in the gate/up GEMM's epilogue and the routing weight in the down
 GEMM's. With adapters (MoELoRA) each delta must land before those: the adapter kernel
-in front of each base GEMM shrinks each pair's row by its slot's A (x A^T, float32
-[P, R]) and the base GEMM's epilogue expands it by B into its float32 accumulator (the
-GEMV form per pair, the grouped GEMM one tl.dot per adapter slot in its tile): the same
-launches as the base path plus one adapter kernel per projection, base + delta rounded
-once, and no delta row of the output's width through memory. Decode-sized steps (up to
+in front of each base GEMM computes it (float32 [P, N]) and the GEMM's epilogue adds it
+to its float32 accumulator; or the adapter kernel stops at each pair's shrunk row (x A^T,
+float32 [P, R]) and the base kernel's epilogue expands it by B (the GEMV form per pair,
+always; the grouped GEMM one tl.dot per adapter slot in its tile, GEMM_EXPANDS_LORA): the
+same launches as the base path plus one adapter kernel per projection, base + delta rounded
+once. Decode-sized steps (up to
 GEMV_MAX_TOKENS tokens, where nearly every (slot, expert) group holds one pair) shrink
 each pair on its own (moe_lora_gemv.py); larger ones sort the pairs by (slot, expert)
-first and run tensor-core tiles (moe_lora.py). (With GEMV_EXPANDS_LORA /
-GEMM_EXPANDS_LORA off, the adapter kernels write whole float32 delta rows instead.)
+first and run tensor-core tiles (moe_lora.py).
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored in steps of
@@ -59,11 +59,12 @@ GEMV_PAIRS_PER_EXPERT = 1
 # (moe_gemv_quant.py), so the expert-LoRA kernel in front of each GEMV runs the shrink
 # alone. (A switch for benchmarks: False computes whole deltas first.)
 GEMV_EXPANDS_LORA = True
-# The grouped GEMMs' epilogue expands the shrunk rows too, one tl.dot per adapter slot in
-# its tile (moe_epilogue.py, SLOT_EXPAND), instead of reading whole float32 delta rows
-# that the expert-LoRA kernel wrote (a round trip of 8 bytes per output value; a switch
-# for benchmarks, as GEMV_EXPANDS_LORA).
-GEMM_EXPANDS_LORA = True
+# Whether the grouped GEMMs' epilogue expands the shrunk rows too, one tl.dot per adapter
+# slot in its tile (moe_epilogue.py, SLOT_EXPAND), instead of reading whole float32 delta
+# rows that the expert-LoRA kernel wrote (a round trip of 8 bytes per output value: ~2 GB
+# a gpt-oss-20b layer in an 8,000-token step). Off until timed on a GPU (benchmarks/LOG.md,
+# "Next"): correct on both sides (tests), its speed not yet measured.
+GEMM_EXPANDS_LORA = False
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:

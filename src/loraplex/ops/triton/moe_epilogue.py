@@ -33,7 +33,7 @@ def pair_operands(
     USE_SLOT_MASK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
     lora_b_ptr=None, stride_lbl=0, stride_lbe=0, stride_lbn=0, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
     LORA_EXPAND: tl.constexpr = False, SLOT_EXPAND: tl.constexpr = False, num_slots=0,
-    DOT_PRECISION: tl.constexpr = "ieee", UPCAST: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr = None, UPCAST: tl.constexpr = False,
 ):
     """What store_pairs adds to and multiplies the accumulators of pairs [M] (m_mask: real
     ones), all routed to `expert`, at output columns offs_n [BLOCK_N]: (add, add_up,
