@@ -348,6 +348,18 @@ def test_tuner_cli_tunes_experts_in_their_format(tmp_path, monkeypatch):
     assert calls[-1][-3:] == ("mxfp4", 128, 0)
 
 
+def test_tuner_tunes_prompt_sizes_on_the_plain_gemm():
+    """Token counts whose steps read quantized experts dequantized (moe_configs.dequantized)
+    are tuned on the plain GEMM they run; W8A8 experts and plain tensors on their own."""
+    w = Mxfp4Weight((32, 5760, 2880), torch.bfloat16, device="meta")  # gpt-oss-20b, top-4
+    own, plain = tune_moe.split_counts(w, tune_moe.BATCH_SIZES, 4)
+    assert own[-1] == 512 and plain == [1024, 2048, 4096]  # 128 pairs an expert on
+    w8 = Fp8Weight((32, 5760, 2880), 128, torch.bfloat16, device="meta", act_block=128)
+    assert tune_moe.split_counts(w8, (16, 4096), 4) == ([16, 4096], [])
+    plain_weight = torch.empty(32, 5760, 2880, device="meta")
+    assert tune_moe.split_counts(plain_weight, (16, 4096), 4) == ([16, 4096], [])
+
+
 @pytest.fixture(scope="module")
 def sm90_counts() -> dict:
     """Global memory instructions by width of the kernels compiled for sm_90 (no GPU

@@ -8,7 +8,9 @@ routing. A config is timed with CUDA events around a batch of launches, median o
 repeats; configs that fail to compile (shared memory, registers) are skipped.
 Quantized experts (`--quantization mxfp4|fp8`, by default the model's own) tune their
 own GEMM (moe_gemm_quant.py) into files of their own; decode steps of no more pairs
-than experts run its GEMV form (moe_gemv_quant.py), which has no configs to tune.
+than experts run its GEMV form (moe_gemv_quant.py), which has no configs to tune, and
+prompt-sized steps the plain GEMM on the experts dequantized, tuned into the plain
+GEMM's files.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from loraplex.bench.tuning import SMEM_BYTES, fastest, projection_shapes
 from loraplex.errors import LoraplexError, ModelLoadError, UnsupportedModel
 from loraplex.ops.formats import Fp8Weight, Mxfp4Weight
 from loraplex.ops.reference.quant import quantize_fp8, quantize_mxfp4
+from loraplex.ops.triton.dequantize import dequantize
 from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.moe_align import align_experts
 from loraplex.ops.triton.moe_configs import (
     PACKAGE_DIR,
     config_file_name,
+    dequantized,
     device_name,
     save_configs,
     weight_format,
@@ -105,10 +109,29 @@ def tune(num_experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dty
          block_k: int = 128, act_block: int = 0) -> list[Path]:
     """Tune both GEMMs of an MoE layer for each token count, on experts in format fmt
     (None: dtype tensors; W8A8 FP8 with act_block, into files of their own); returns the
-    files written."""
+    files written. Token counts whose steps read quantized experts dequantized (prompt
+    sizes: moe_configs.dequantized) tune the plain GEMM they run, into the dtype's files."""
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     w_gu, w_d = expert_weights(num_experts, hidden, inter, dtype, fmt, dev, gen, block_k, act_block)
+    own, plain = split_counts(w_gu, batch_sizes, top_k)
+    paths = _tune_counts(w_gu, w_d, own, top_k, dtype, out_dir, fmt, act_block, gen) if own else []
+    if plain:
+        paths += _tune_counts(dequantize(w_gu), dequantize(w_d), plain, top_k, dtype, out_dir, None, 0, gen)
+    return paths
+
+
+def split_counts(w_gu, batch_sizes, top_k: int) -> tuple[list[int], list[int]]:
+    """(token counts that run w's own GEMM, those that run the plain GEMM on it dequantized)."""
+    plain = [t for t in batch_sizes if dequantized(w_gu, t, top_k)]
+    return [t for t in batch_sizes if t not in plain], plain
+
+
+def _tune_counts(w_gu, w_d, batch_sizes, top_k: int, dtype: torch.dtype, out_dir, fmt: str | None,
+                 act_block: int, gen: torch.Generator) -> list[Path]:
+    dev = torch.device("cuda")
+    num_experts, two_inter, hidden = w_gu.shape
+    inter = two_inter // 2
     elem = 1 if act_block else torch.empty(0, dtype=dtype).element_size()
     best_gu, best_d = {}, {}
     for t in batch_sizes:
