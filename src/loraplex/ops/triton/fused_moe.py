@@ -7,11 +7,11 @@ in front of each base GEMM computes it (float32 [P, N]) and the GEMM's epilogue 
 to its float32 accumulator; or the adapter kernel stops at each pair's shrunk row (x A^T,
 float32 [P, R]) and the base kernel's epilogue expands it by B (the GEMV form per pair,
 always; the grouped GEMM one tl.dot per adapter slot in its tile, GEMM_EXPANDS_LORA): the
-same launches as the base path plus one adapter kernel per projection, base + delta rounded
-once. Decode-sized steps (up to
-GEMV_MAX_TOKENS tokens, where nearly every (slot, expert) group holds one pair) shrink
-each pair on its own (moe_lora_gemv.py); larger ones sort the pairs by (slot, expert)
-first and run tensor-core tiles (moe_lora.py).
+same launches as the base path plus one adapter kernel per projection, base + delta
+rounded once. Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every
+(slot, expert) group holds one pair) run the adapter kernel per pair (moe_lora_gemv.py);
+larger ones sort the pairs by (slot, expert) first and run tensor-core tiles
+(moe_lora.py).
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored in steps of

@@ -37,7 +37,7 @@ import triton.language as tl
 from loraplex.ops.formats import Fp8Weight, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
-from loraplex.ops.triton.moe_epilogue import pair_operands, store_pairs
+from loraplex.ops.triton.moe_epilogue import check_delta, pair_operands, store_pairs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import (
     format_args,
@@ -183,11 +183,7 @@ def moe_gemv_quant(
     assert a.dtype == w.dtype and topk_ids.is_contiguous(), (a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
-    if delta is not None:
-        width = lora_b.shape[3] if lora_b is not None else n_w
-        assert lora is not None and delta.shape == (num_pairs, width) and delta.stride(1) == 1
-    if lora_b is not None:
-        assert delta is not None and lora_b.shape[1:3] == (e, n_w) and lora_b.stride(3) == 1, lora_b.shape
+    check_delta(delta, lora, lora_b, num_pairs, e, n_w)
     if num_pairs == 0:
         return
     # A K step dividing K where one does: unmasked rows, 16-byte loads (gpt-oss: 2880 = 45 x 64).
