@@ -65,18 +65,6 @@ for step in $STEPS; do
     prefill-quant)  # RESULTS: "Prefill of quantized experts" (the quantized GEMM against dequantized + bf16)
       run prefill-quant 300 moe_kernels --sections prefill-quant --tokens 256 512 1024 2048 4096 8192 \
         --out "$OUT/prefill-quant.json" ;;
-    expand-lora)  # whether the grouped expert GEMMs should expand the adapters' shrunk rows
-      # (fused_moe.GEMM_EXPANDS_LORA): one layer both ways, then gpt-oss-20b MXFP4's decode
-      # step (16 adapters) and an 8,000-token prompt step (8 adapters) without and with it
-      run expand-lora-layer 300 moe_kernels --sections layer --tokens 16 64 2048 8192 \
-        --out "$OUT/expand-lora-layer.json" | grep -v "^ "
-      M=(--model gpt-oss-20b --quantization mxfp4 --expert-adapters --lora-targets q_proj k_proj v_proj o_proj experts)
-      for flag in "" --gemm-expands-lora; do
-        run expand-lora-decode${flag:+-on} 150 decode_breakdown "${M[@]}" --batch 16 --prompt-len 1600 \
-          --adapters 16 $flag --out "$OUT/expand-lora-decode${flag:+-on}.json" | grep -E "decode graph|moe_"
-        run expand-lora-prefill${flag:+-on} 150 prefill_kernels "${M[@]}" --batch 5 --prompt-len 1600 \
-          --adapters 8 --top 8 $flag --out "$OUT/expand-lora-prefill${flag:+-on}.json" | tail -10
-      done ;;
     attention)  # RESULTS: "Decode attention"
       run attention 400 attention_sweep --out "$OUT/attention.json" ;;
     prefill-lora)  # RESULTS: "LoRA kernels in a step with prefill tokens"

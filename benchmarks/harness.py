@@ -354,9 +354,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, model: str = "llama-3.1-8b"
                    help="random weights in this format (default: bf16)")
     g.add_argument("--fp8-activations", default="unquantized", choices=FP8_ACTIVATIONS,
                    help="FP8 weights: activations as they are, or e4m3 at run time (W8A8)")
-    g.add_argument("--gemm-expands-lora", action="store_true",
-                   help="MoE: the grouped expert GEMMs expand the adapters' shrunk rows in their epilogue "
-                        "(ops.triton.fused_moe.GEMM_EXPANDS_LORA)")
 
 
 # ---------------------------------------------------------------- output
@@ -454,10 +451,6 @@ def random_adapters(engine, model_dir: Path, cache_dir: Path, count: int, expert
 def decode_engine(args: argparse.Namespace, **llm_kwargs):
     """(engine, runner, adapter requests) for `add_engine_arguments`' model, batch and
     adapters: dummy weights, room for prompts of args.prompt_len + 256 tokens."""
-    if getattr(args, "gemm_expands_lora", False):
-        from loraplex.ops.triton import fused_moe  # engine internal: the epilogue's form
-
-        fused_moe.GEMM_EXPANDS_LORA = True
     llm, model_dir = dummy_llm(args.model, args.cache_dir, max_loras=max(1, args.adapters), max_lora_rank=16,
                                max_num_seqs=args.batch, max_model_len=args.prompt_len + 256,
                                quantization=getattr(args, "quantization", None),

@@ -8,10 +8,8 @@ Shapes: the bundled MoE configs (Qwen3-30B-A3B, gpt-oss-20b).
 
 Sections:
   layer        ops.fused_experts (Triton) for each token count, without and with 16
-               rank-16 expert adapters (their deltas through memory, and expanded in the
-               grouped GEMMs' epilogue: fused_moe.GEMM_EXPANDS_LORA): eager calls (CUDA
-               events, median of 20 means of 10 calls: small token counts include
-               ~0.15-0.3 ms of launches), against the
+               rank-16 expert adapters: eager calls (CUDA events, median of 20 means of
+               10 calls: small token counts include ~0.15-0.3 ms of launches), against the
                touched experts' bytes read once at the GPU's data-sheet bandwidth
                (--bandwidth to change). With --tune, the grouped GEMM's block configs are
                first tuned for those token counts on a reduced search space (`loraplex
@@ -51,7 +49,7 @@ def layer_case(name: str, t: int, bandwidth: float, rank=16, slots=16) -> dict:
 
     from loraplex import ops
     from loraplex.ops.metadata import MoELoRA
-    from loraplex.ops.triton import fused_experts, fused_moe  # (engine internal: the epilogue's form)
+    from loraplex.ops.triton import fused_experts
 
     e, h, i, k = harness.model_shape(name).expert_shape()
     dev, dt = "cuda", torch.bfloat16
@@ -70,22 +68,12 @@ def layer_case(name: str, t: int, bandwidth: float, rank=16, slots=16) -> dict:
     base = harness.events_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d), repeats=20, inner=10)
     with_lora = harness.events_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d, lora=lora),
                                   repeats=20, inner=10)
-    saved = fused_moe.GEMM_EXPANDS_LORA
-    fused_moe.GEMM_EXPANDS_LORA = not saved  # the other epilogue form (fused_moe.py)
-    try:
-        other = harness.events_ms(lambda: fused_experts(x, weights, ids, w_gu, w_d, lora=lora),
-                                  repeats=20, inner=10)
-    finally:
-        fused_moe.GEMM_EXPANDS_LORA = saved
-    expand_ms, whole_ms = (other, with_lora) if not saved else (with_lora, other)
     floor_ms = floor_bytes / bandwidth * 1e3
     print(f"{name} T={t}: {touched}/{e} experts, {floor_bytes / 2**20:.0f} MiB; base {base * 1e3:.1f} us "
           f"({floor_ms / base:.0%} of the floor {floor_ms * 1e3:.1f} us at {bandwidth / 1e12:.2f} TB/s), "
-          f"with {slots} adapters {whole_ms * 1e3:.1f} us (deltas through memory), "
-          f"{expand_ms * 1e3:.1f} us (the GEMMs expand shrunk rows)", flush=True)
+          f"with {slots} adapters {with_lora * 1e3:.1f} us", flush=True)
     return dict(model=name, tokens=t, experts_hit=touched, floor_us=floor_ms * 1e3, base_us=base * 1e3,
-                frac=floor_ms / base, adapters_us=with_lora * 1e3, adapters_whole_deltas_us=whole_ms * 1e3,
-                adapters_gemm_expands_us=expand_ms * 1e3)
+                frac=floor_ms / base, adapters_us=with_lora * 1e3)
 
 
 def tune(token_counts: list[int], config_dir: Path) -> None:

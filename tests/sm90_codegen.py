@@ -99,12 +99,10 @@ def kernels() -> dict:
     for fuse, (n, k) in ((True, (inter, h)), (False, (h, inter))):
         out[f"moe_gemm_{'gate_up' if fuse else 'down'}"] = compile_ptx(mod("moe_gemm")._moe_gemm_kernel, dict(
             a_ptr=bf, w_ptr=bf, bias_ptr=bf, out_ptr=bf, weights_ptr=f32, delta_ptr=f32,
-            token_slot_ptr=i32, slot_mask_ptr=i32, lora_b_ptr=bf, sorted_ids_ptr=i32,
+            token_slot_ptr=i32, slot_mask_ptr=i32, sorted_ids_ptr=i32,
             block_experts_ptr=i32, num_valid_ptr=i32, N=n, K=k, num_pairs=5, num_blocks=7, limit=3,
-            num_slots=5, stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
-            stride_bn=0, stride_om=n, stride_on=1, stride_dm=r,  # the epilogue expands shrunk rows
-            stride_lbl=experts * (2 * n if fuse else n) * r, stride_lbe=(2 * n if fuse else n) * r,
-            stride_lbn=r, R=const(r), BLOCK_R=const(r), SLOT_EXPAND=const(True),
+            stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
+            stride_bn=0, stride_om=n, stride_on=1, stride_dm=2 * n if fuse else n,
             ROW_DIV=const(8 if fuse else 1), HAS_BIAS=const(False), FUSE_ACT=const(fuse),
             HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"),
             ALPHA=const(1.702),
@@ -119,7 +117,7 @@ def kernels() -> dict:
         stride_dm=2 * inter, stride_dn=1, R=const(r), ROW_DIV=const(8), HAS_RANKS=const(True),
         BLOCK_M=const(16),
         BLOCK_R=const(r), BLOCK_K=const(64), BLOCK_N=const(128), EVEN_K=const(True),
-        EVEN_N=const(True), SHRINK_ONLY=const(False), **tf32))
+        EVEN_N=const(True), **tf32))
     out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
         in_ptr=bf, ids_ptr=i32, token_slot_ptr=i32, slot_mask_ptr=i32, ranks_ptr=i32, a_ptr=bf, b_ptr=bf,
         delta_ptr=f32, K=h, N=2 * inter, num_pairs=5,

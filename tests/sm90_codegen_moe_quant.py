@@ -41,15 +41,12 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
         ALPHA=const(1.702), MUL_ROUTED_WEIGHT=const(not fuse), UPCAST=const(False))
 
 
-def _gemm_args(fmt: str, n: int, fuse: bool, path: str = "mx") -> dict:
+def _gemm_args(fmt: str, path: str = "mx") -> dict:
     """The grouped GEMM's own: how bf16 MXFP4 experts become operands (mxfp4_path); the
-    activations' scales (W8A8); adapters of rank 16 whose shrunk rows it expands."""
+    activations' scales (W8A8)."""
     a8 = fmt == "w8a8"
-    rows = 2 * n if fuse else n
     return dict(MXFP4_PATH=const(path if fmt == "mxfp4" else "hand"), a_scale_ptr="*fp32",
-                stride_asm=16, W8A8=const(a8), ACT_BLOCK=const(128 if a8 else 1),
-                lora_b_ptr="*bf16", num_slots=8, stride_lbl=8 * rows * 16, stride_lbe=rows * 16,
-                stride_lbn=16, stride_dm=16, R=const(16), BLOCK_R=const(16), SLOT_EXPAND=const(True))
+                stride_asm=16, W8A8=const(a8), ACT_BLOCK=const(128 if a8 else 1))
 
 
 def kernels() -> dict:
@@ -72,7 +69,7 @@ def kernels() -> dict:
                             BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
                             BLOCK_K=const(cfg["BLOCK_K"]), EVEN_K=const(k % cfg["BLOCK_K"] == 0),
                             EVEN_N=const(n % cfg["BLOCK_N"] == 0), DOT_PRECISION=const("tf32"),
-                            **_gemm_args(fmt, n, fuse, path))
+                            **_gemm_args(fmt, path))
                 compiled = compile_sm90(gemm_mod._moe_gemm_quant_kernel, args, cfg["num_warps"],
                                         cfg["num_stages"])
                 out[f"gemm {name} {rows}"] = widths(compiled.asm["ptx"])

@@ -98,13 +98,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned", "gemv+expand", "aligned+expand"])
+@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned"], ids=["base", "lora_gemv", "lora_aligned"])
 @pytest.mark.parametrize("t,e,k,h,i,act,bias,blocks", CASES)
 def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora, dtype):
-    """Both expert-LoRA forms: per pair (decode-sized steps) and (slot, expert)-aligned;
-    "+expand": they shrink alone and the grouped GEMM's epilogue expands by slot."""
-    with_lora, _, expand = (with_lora or "").partition("+")
-    monkeypatch.setattr(fused_moe, "GEMM_EXPANDS_LORA", bool(expand))
+    """Both expert-LoRA forms: per pair (decode-sized steps) and (slot, expert)-aligned."""
     monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64 if with_lora == "gemv" else 0)
     if blocks == "small":  # w_gate_up is [E, 2I, H], w_down [E, H, I]
         monkeypatch.setattr(fused_moe, "gemm_config",

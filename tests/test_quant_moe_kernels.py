@@ -81,11 +81,7 @@ def check_quantized_experts(monkeypatch, fmt, t, e, k, h, i, act, bias, form, bl
     """ops.fused_experts on the Triton backend with quantized experts against the
     reference in float32 on the same (dequantized, rounded to dtype) weights. form:
     "gemv" or "gemm", forced (fused_moe picks by the pair count); blocks: the grouped
-    GEMM's configs ("default" or SMALL_BLOCKS); with_lora: None, "gemv", "aligned", each
-    with "+expand" (the grouped GEMM's epilogue expands shrunk rows: GEMM_EXPANDS_LORA)."""
-    with_lora, _, expand = (with_lora or "").partition("+")
-    if expand:
-        monkeypatch.setattr(fused_moe, "GEMM_EXPANDS_LORA", True)
+    GEMM's configs ("default" or SMALL_BLOCKS); with_lora: None, "gemv", "aligned"."""
     monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64 if with_lora == "gemv" else 0)
     monkeypatch.setattr(fused_moe, "base_form", lambda *_: form)
     if blocks == "small":  # w_gate_up is [E, 2I, H], w_down [E, H, I]
@@ -189,7 +185,7 @@ FP8_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned", "gemv+expand", "aligned+expand"])
+@pytest.mark.parametrize("with_lora", [None, "gemv", "aligned"], ids=["base", "lora_gemv", "lora_aligned"])
 @pytest.mark.parametrize("t,e,k,h,i,act,bias,form,blocks,block_k", FP8_CASES)
 def test_fp8_experts(monkeypatch, t, e, k, h, i, act, bias, form, blocks, block_k, with_lora, dtype):
     check_quantized_experts(monkeypatch, "fp8", t, e, k, h, i, act, bias, form, blocks, with_lora, dtype,
@@ -199,17 +195,15 @@ def test_fp8_experts(monkeypatch, t, e, k, h, i, act, bias, form, blocks, block_
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_gemv_form_with_whole_deltas_first(monkeypatch, fmt):
     """The GEMV form's adapters with GEMV_EXPANDS_LORA off (the expert-LoRA kernel writes
-    whole delta rows, the GEMV adds them, as the grouped GEMM does by default) against
-    the oracle; test_fp8_experts / test_quant_mxfp4 cover it on (the GEMV expands the
-    shrunk rows)."""
+    whole delta rows, the GEMV adds them, as the grouped GEMM does) against the oracle;
+    test_fp8_experts / test_quant_mxfp4 cover it on (the GEMV expands the shrunk rows)."""
     monkeypatch.setattr(fused_moe, "GEMV_EXPANDS_LORA", False)
-    form, with_lora = "gemv", "gemv"
     act = "swiglu_oai" if fmt == "mxfp4" else "silu"
-    check_quantized_experts(monkeypatch, fmt, 3, 8, 2, 64, 32, act, fmt == "mxfp4", form, "default",
-                            with_lora, torch.float32, 32 if fmt == "fp8" else 128)
+    check_quantized_experts(monkeypatch, fmt, 3, 8, 2, 64, 32, act, fmt == "mxfp4", "gemv", "default", "gemv",
+                            torch.float32, 32 if fmt == "fp8" else 128)
 
 
-@pytest.mark.parametrize("with_lora", [None, "aligned", "aligned+expand"])
+@pytest.mark.parametrize("with_lora", [None, "aligned"], ids=["base", "lora"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_prefill_steps_read_quantized_experts_dequantized(monkeypatch, fmt, with_lora):
     """Steps of DEQUANTIZE_MIN_PAIRS_PER_EXPERT pairs an expert or more write each

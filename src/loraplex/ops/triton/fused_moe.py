@@ -2,16 +2,17 @@
 GEMM, weighted sum over each token's top_k outputs.
 
 The activation runs in the gate/up GEMM's epilogue and the routing weight in the down
-GEMM's. With adapters (MoELoRA) each delta must land before those: the adapter kernel
-in front of each base GEMM computes it (float32 [P, N]) and the GEMM's epilogue adds it
-to its float32 accumulator; or the adapter kernel stops at each pair's shrunk row (x A^T,
-float32 [P, R]) and the base kernel's epilogue expands it by B (the GEMV form per pair,
-always; the grouped GEMM one tl.dot per adapter slot in its tile, GEMM_EXPANDS_LORA): the
-same launches as the base path plus one adapter kernel per projection, base + delta
-rounded once. Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every
-(slot, expert) group holds one pair) run the adapter kernel per pair (moe_lora_gemv.py);
-larger ones sort the pairs by (slot, expert) first and run tensor-core tiles
-(moe_lora.py).
+GEMM's. With adapters (MoELoRA) each delta must land before those, so it is computed
+first and the GEMM's epilogue adds it to its float32 accumulator: the same launches as
+the base path plus one adapter kernel per projection, and base + delta rounded once.
+Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every (slot, expert)
+group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py); larger
+ones sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
+Where the experts take the GEMV form too, the adapter kernel stops at each pair's
+shrunk [R] row and the GEMV's programs expand it at their own columns: two short
+kernels in front of the GEMVs instead of two that also stream every B. (The grouped
+GEMMs expanding shrunk rows too, one tl.dot per adapter slot in a tile, ran 2-4x slower
+on an H200: benchmarks/LOG.md, "The grouped GEMMs' slot expand, timed".)
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
 own, added ~40% to the error.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored in steps of
@@ -57,14 +58,8 @@ from loraplex.ops.triton.quant_tiles import KERNEL_FORMATS
 GEMV_PAIRS_PER_EXPERT = 1
 # In the GEMV form each program expands its pair's adapter delta at its own columns
 # (moe_gemv_quant.py), so the expert-LoRA kernel in front of each GEMV runs the shrink
-# alone. (A switch for benchmarks: False computes whole deltas first.)
+# alone. (A switch for benchmarks: False computes whole deltas first, as the GEMM form.)
 GEMV_EXPANDS_LORA = True
-# Whether the grouped GEMMs' epilogue expands the shrunk rows too, one tl.dot per adapter
-# slot in its tile (moe_epilogue.py, SLOT_EXPAND), instead of reading whole float32 delta
-# rows that the expert-LoRA kernel wrote (a round trip of 8 bytes per output value: ~2 GB
-# a gpt-oss-20b layer in an 8,000-token step). Off until timed on a GPU (benchmarks/LOG.md,
-# "Next"): correct on both sides (tests), its speed not yet measured.
-GEMM_EXPANDS_LORA = False
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
@@ -88,21 +83,21 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
 
 
 def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **epilogue) -> None:
-    """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form; lora_b:
-    the delta given as shrunk rows, expanded by the GEMM or GEMV. W8A8 weights, in steps where
+    """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (lora_b:
+    the delta given as shrunk rows, which the GEMV expands). W8A8 weights, in steps where
     they quantize their activations, quantize `a` first (its rows, once for all their
     pairs); quantized weights in steps that read them dequantized are written out first
     (cfg is then a bf16 config: moe_configs.weight_format)."""
     if align is None:
         moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
     elif dequantized(w, *topk_ids.shape):
-        moe_gemm(a, dequantize_kernel(w), bias, out, align, cfg, row_div, lora_b=lora_b, **epilogue)
+        moe_gemm(a, dequantize_kernel(w), bias, out, align, cfg, row_div, **epilogue)
     elif w8a8(w, topk_ids.shape[0]):
         a_q, a_scale = quantize_activations(a, w.act_block)
-        moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, lora_b=lora_b, **epilogue)
+        moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, **epilogue)
     else:
         gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm
-        gemm(a, w, bias, out, align, cfg, row_div, lora_b=lora_b, **epilogue)
+        gemm(a, w, bias, out, align, cfg, row_div, **epilogue)
 
 
 def fused_experts(
@@ -142,17 +137,17 @@ def fused_experts(
         return None
 
     align_l = delta_gu = delta_d = None
-    expands = False  # the deltas are shrunk rows [P, R] the base kernels expand
+    gemv_expands = False  # the deltas are shrunk rows [P, R] the GEMV expands (GEMV_EXPANDS_LORA)
     if lora is not None:
         form, block_m = lora_form(t, top_k, dev)
-        expands = GEMV_EXPANDS_LORA if gemv else GEMM_EXPANDS_LORA
-        # B [L, E, N, R]: a delta row is N wide, or R where the base kernels expand it.
-        delta_dim = 3 if expands else 2
+        gemv_expands = gemv and form == "gemv" and GEMV_EXPANDS_LORA
+        # B [L, E, N, R]: a delta row is N wide, or R where the GEMV expands it.
+        delta_dim = 3 if gemv_expands else 2
 
         def adapter_delta(inp, a, b, row_div, which, delta):
             ranks = lora.ranks[which] if lora.ranks is not None else None
-            b = None if expands else b  # the shrink alone
             if align_l is None:
+                b = None if gemv_expands else b  # the shrink alone
                 moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
@@ -185,13 +180,13 @@ def fused_experts(
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
                  limit=limit, delta=delta_gu, lora=lora, top_k=top_k,
-                 lora_b=lora.b_gate_up if expands else None)
+                 lora_b=lora.b_gate_up if gemv_expands else None)
     if lora is not None:
         delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
     _expert_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
-                 delta=delta_d, lora=lora, top_k=top_k, lora_b=lora.b_down if expands else None)
+                 delta=delta_d, lora=lora, top_k=top_k, lora_b=lora.b_down if gemv_expands else None)
     y = y.view(t, top_k, hidden)
     return y.sum(1) if sum_topk else y
 

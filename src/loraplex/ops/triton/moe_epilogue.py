@@ -32,8 +32,7 @@ def pair_operands(
     HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr,
     USE_SLOT_MASK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
     lora_b_ptr=None, stride_lbl=0, stride_lbe=0, stride_lbn=0, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
-    LORA_EXPAND: tl.constexpr = False, SLOT_EXPAND: tl.constexpr = False, num_slots=0,
-    DOT_PRECISION: tl.constexpr = None, UPCAST: tl.constexpr = False,
+    LORA_EXPAND: tl.constexpr = False,
 ):
     """What store_pairs adds to and multiplies the accumulators of pairs [M] (m_mask: real
     ones), all routed to `expert`, at output columns offs_n [BLOCK_N]: (add, add_up,
@@ -41,11 +40,7 @@ def pair_operands(
     read with FUSE_ACT), weight [M] float32 (the routing weight, or 1).
     LORA_EXPAND: delta_ptr holds each pair's shrunk row [R] instead of its delta, and the
     delta at these columns is expanded here, from the rows of B [L, E, N(x2), R] at
-    lora_b_ptr (a gather of [M, BLOCK_N, R]: for one-pair tiles, the GEMV form).
-    SLOT_EXPAND: the same inputs, expanded by one tl.dot per adapter slot present among
-    the tile's pairs ([M, R] rows of that slot, the others zero, by B[slot, expert]'s
-    [R, BLOCK_N] tile; num_slots: L), the shrunk rows rounded to B's dtype first, as
-    moe_lora rounds them: tiles of many pairs, the grouped GEMMs."""
+    lora_b_ptr (a gather of [M, BLOCK_N, R]: for one-pair tiles, the GEMV form)."""
     add = tl.zeros((pairs.shape[0], offs_n.shape[0]), dtype=tl.float32)
     add_up = tl.zeros((pairs.shape[0], offs_n.shape[0]), dtype=tl.float32)
     if HAS_BIAS:
@@ -71,10 +66,6 @@ def pair_operands(
             if FUSE_ACT:
                 up = tl.load(b + N * stride_lbn, mask=b_mask, other=0.0).to(tl.float32)
                 add_up += tl.sum(up * shrunk, axis=2)
-        elif SLOT_EXPAND:
-            add, add_up = _expand_by_slot(add, add_up, slot, covered, pairs, offs_n, n_mask, N, delta_ptr,
-                                          stride_dm, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, expert,
-                                          num_slots, R, BLOCK_R, FUSE_ACT, EVEN_N, DOT_PRECISION, UPCAST)
         else:
             d_mask = covered[:, None] if EVEN_N else covered[:, None] & n_mask[None, :]
             d = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm + offs_n[None, :]
@@ -86,34 +77,6 @@ def pair_operands(
     else:
         weight = tl.full((pairs.shape[0],), 1.0, dtype=tl.float32)
     return add, add_up, weight
-
-
-@triton.jit
-def _expand_by_slot(add, add_up, slot, covered, pairs, offs_n, n_mask, N, shrunk_ptr, stride_sm,
-                    b_ptr, stride_bl, stride_be, stride_bn, expert, num_slots,
-                    R: tl.constexpr, BLOCK_R: tl.constexpr, FUSE_ACT: tl.constexpr, EVEN_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """pair_operands' SLOT_EXPAND: add (+ add_up) += shrunk rows @ B[slot, expert].T at
-    columns offs_n, one dot per slot that some covered pair of the tile has."""
-    r = tl.arange(0, BLOCK_R)
-    shrunk = tl.load(shrunk_ptr + pairs.to(tl.int64)[:, None] * stride_sm + r[None, :],
-                     mask=covered[:, None] & (r < R)[None, :], other=0.0)
-    b_mask = (r < R)[:, None] if EVEN_N else (r < R)[:, None] & n_mask[None, :]
-    b_cols = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + r[:, None]  # B.T tile [R, BLOCK_N]
-    for s in range(0, num_slots):
-        mine = covered & (slot == s)
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            b = tl.load(b_cols + s * stride_bl, mask=b_mask, other=0.0)
-            if UPCAST:
-                b = b.to(tl.float32)
-            rows = tl.where(mine[:, None], shrunk, 0.0).to(b.dtype)
-            add += tl.dot(rows, b, input_precision=DOT_PRECISION)
-            if FUSE_ACT:
-                b_up = tl.load(b_cols + s * stride_bl + N * stride_bn, mask=b_mask, other=0.0)
-                if UPCAST:
-                    b_up = b_up.to(tl.float32)
-                add_up += tl.dot(rows, b_up, input_precision=DOT_PRECISION)
-    return add, add_up
 
 
 @triton.jit
@@ -144,24 +107,20 @@ def finish_pairs(
     HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr,
     USE_SLOT_MASK: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
-    lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, num_slots, R: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLOT_EXPAND: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """pair_operands then store_pairs, with whole delta rows or (SLOT_EXPAND) shrunk ones:
-    the grouped GEMMs' epilogue."""
+    """pair_operands then store_pairs, with whole delta rows: the grouped GEMMs' epilogue."""
     add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
                                         delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
                                         stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-                                        MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe,
-                                        stride_lbn, R, BLOCK_R, False, SLOT_EXPAND, num_slots, DOT_PRECISION,
-                                        UPCAST)
+                                        MUL_ROUTED_WEIGHT, EVEN_N)
     store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
                 stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def check_delta(delta, lora, lora_b, num_pairs: int, num_experts: int, n_w: int) -> None:
-    """A grouped GEMM's delta: whole rows [P, n_w], or (lora_b [L, E, n_w, R] given) each
-    pair's shrunk row, float32 [P, R], that the epilogue expands (SLOT_EXPAND)."""
+    """An expert GEMM's delta: whole rows [P, n_w], or (lora_b [L, E, n_w, R] given: the
+    GEMV form, LORA_EXPAND) each pair's shrunk row, float32 [P, R], that the epilogue
+    expands."""
     if delta is None:
         assert lora_b is None
         return
@@ -170,9 +129,3 @@ def check_delta(delta, lora, lora_b, num_pairs: int, num_experts: int, n_w: int)
     if lora_b is not None:
         assert delta.dtype == torch.float32 and lora_b.shape[1:3] == (num_experts, n_w), lora_b.shape
         assert lora_b.stride(3) == 1, lora_b.stride()
-
-
-def slot_expand_args(lora_b) -> dict:
-    """The constexprs of SLOT_EXPAND for B [L, E, N, R] (None: off)."""
-    r = lora_b.shape[3] if lora_b is not None else 1
-    return dict(R=r, BLOCK_R=max(16, triton.next_power_of_2(r)), SLOT_EXPAND=lora_b is not None)

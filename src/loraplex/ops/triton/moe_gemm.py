@@ -28,7 +28,7 @@ from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config, weight_format
-from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs, slot_expand_args
+from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
 from loraplex.ops.triton.precision import dot_settings
 
 # Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
@@ -64,19 +64,18 @@ def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
 
 # N and K are specialized (fixed per model): their alignment makes the up half of W and of
 # the delta (N columns on) loadable in 16-byte vectors.
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit", "num_slots"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr, lora_b_ptr,
+    a_ptr, w_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
     sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
-    N, K, num_pairs, num_blocks, limit, num_slots,
+    N, K, num_pairs, num_blocks, limit,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_be, stride_bn,
-    stride_om, stride_on, stride_dm, stride_lbl, stride_lbe, stride_lbn,
+    stride_om, stride_on, stride_dm,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
     HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_EXPAND: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
     pid = tl.program_id(0)
@@ -115,8 +114,7 @@ def _moe_gemm_kernel(
                  bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
                  stride_be, stride_bn, stride_om, stride_on, stride_dm,
                  HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
-                 MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, num_slots,
-                 R, BLOCK_R, SLOT_EXPAND, DOT_PRECISION, UPCAST)
+                 MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm(
@@ -124,34 +122,28 @@ def moe_gemm(
     align: Alignment, cfg: dict, row_div: int, activation: str | None = None,
     limit: float = math.inf, routed_weights: torch.Tensor | None = None,
     delta: torch.Tensor | None = None, lora: MoELoRA | None = None, top_k: int = 1,
-    lora_b: torch.Tensor | None = None,
 ) -> None:
     """out[pair] = A[pair // row_div] @ W[e].T (+ bias[e]) for the pairs of `align`;
     with `activation`, out [P, N / 2] = act(gate) * up; with routed_weights (float32,
     contiguous [T, top_k]), rows scaled by their routing weight. a [rows, K]; w [E, N, K].
     With delta [P, N] (and `lora` for which tokens have one, pair p being token
-    p // top_k's), delta[pair] joins the product before the activation and the weight;
-    with lora_b [L, E, N, R] too, delta holds each pair's shrunk row, float32 [P, R]
-    (moe_lora without its B), expanded in the epilogue (moe_epilogue.py, SLOT_EXPAND)."""
+    p // top_k's), delta[pair] joins the product before the activation and the weight."""
     assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
     n = w.shape[1] // 2 if activation else w.shape[1]
     assert a.shape[1] == w.shape[2] and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
     assert a.dtype == w.dtype, (a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
-    check_delta(delta, lora, lora_b, align.num_pairs, w.shape[0], w.shape[1])
+    check_delta(delta, lora, None, align.num_pairs, w.shape[0], w.shape[1])
     grid = (align.num_blocks * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, w, bias if bias is not None else w, out, routed_weights if routed_weights is not None else w,
         delta if delta is not None else w, lora.token_slot if lora is not None else w,
         lora.slot_mask if lora is not None and lora.slot_mask is not None else w,
-        lora_b if lora_b is not None else w,
         align.sorted_ids, align.block_groups, align.num_valid,
         n, w.shape[2], align.num_pairs, align.num_blocks, limit,
-        lora_b.shape[0] if lora_b is not None else 0,
         *a.stride(), *w.stride(), *(bias.stride() if bias is not None else (0, 0)), *out.stride(),
         delta.stride(0) if delta is not None else 0,
-        *(lora_b.stride()[:3] if lora_b is not None else (0, 0, 0)),
         ROW_DIV=row_div, HAS_BIAS=bias is not None, FUSE_ACT=activation is not None,
         HAS_DELTA=delta is not None, TOP_K=top_k,
         USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
@@ -159,5 +151,5 @@ def moe_gemm(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        **slot_expand_args(lora_b), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

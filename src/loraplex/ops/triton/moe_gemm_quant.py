@@ -52,7 +52,7 @@ from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.moe_align import Alignment
-from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs, slot_expand_args
+from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.quant_tiles import (
     even_odd,
@@ -68,14 +68,14 @@ from loraplex.ops.triton.quant_tiles import (
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit", "num_slots"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "limit"])
 def _moe_gemm_quant_kernel(
     a_ptr, a_scale_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr,
-    slot_mask_ptr, lora_b_ptr,
+    slot_mask_ptr,
     sorted_ids_ptr, block_experts_ptr, num_valid_ptr,
-    N, K_STORED, num_pairs, num_blocks, limit, num_slots,
+    N, K_STORED, num_pairs, num_blocks, limit,
     stride_am, stride_ak, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_be, stride_bn, stride_om, stride_on, stride_dm, stride_lbl, stride_lbe, stride_lbn,
+    stride_be, stride_bn, stride_om, stride_on, stride_dm,
     FORMAT: tl.constexpr, SCALE_BLOCK: tl.constexpr, SCALE_PER_STEP: tl.constexpr,
     W8A8: tl.constexpr, ACT_BLOCK: tl.constexpr,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
@@ -83,7 +83,7 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MXFP4_PATH: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, SLOT_EXPAND: tl.constexpr,
+    MXFP4_PATH: tl.constexpr,
 ):
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
@@ -176,8 +176,7 @@ def _moe_gemm_quant_kernel(
                  bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
                  stride_be, stride_bn, stride_om, stride_on, stride_dm,
                  HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
-                 MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, num_slots,
-                 R, BLOCK_R, SLOT_EXPAND, DOT_PRECISION, UPCAST)
+                 MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm_quant(
@@ -185,7 +184,7 @@ def moe_gemm_quant(
     align: Alignment, cfg: dict, row_div: int, activation: str | None = None,
     limit: float = math.inf, routed_weights: torch.Tensor | None = None,
     delta: torch.Tensor | None = None, lora: MoELoRA | None = None, top_k: int = 1,
-    a_scale: torch.Tensor | None = None, lora_b: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None,
 ) -> None:
     """moe_gemm (moe_gemm.py, same arguments) with w a quantized weight of logical shape
     [E, N, K], read as dequantize(w); or, W8A8 (an Fp8Weight with act_block, in a step
@@ -199,7 +198,7 @@ def moe_gemm_quant(
     assert a.dtype == (torch.float8_e4m3fn if a8 else w.dtype) and (w8a8(w) or not a8), (a.dtype, w.dtype)
     if routed_weights is not None:
         assert routed_weights.dtype == torch.float32 and routed_weights.is_contiguous()
-    check_delta(delta, lora, lora_b, align.num_pairs, e, n_w)
+    check_delta(delta, lora, None, align.num_pairs, e, n_w)
     block_k = max(cfg["BLOCK_K"], MIN_BLOCK_K)
     if a8:  # a K step inside one block of a's and of w's scales
         assert w.act_block == w.block_k, (w.act_block, w.block_k)
@@ -210,14 +209,11 @@ def moe_gemm_quant(
         routed_weights if routed_weights is not None else w.scale, delta if delta is not None else w.scale,
         lora.token_slot if lora is not None else w.scale,
         lora.slot_mask if lora is not None and lora.slot_mask is not None else w.scale,
-        lora_b if lora_b is not None else w.scale,
         align.sorted_ids, align.block_groups, align.num_valid,
         n, w.data.shape[-1], align.num_pairs, align.num_blocks, limit,
-        lora_b.shape[0] if lora_b is not None else 0,
         *a.stride(), a_scale.stride(0) if a8 else 0, *w.data.stride(), *w.scale.stride(),
         *(bias.stride() if bias is not None else (0, 0)),
         *out.stride(), delta.stride(0) if delta is not None else 0,
-        *(lora_b.stride()[:3] if lora_b is not None else (0, 0, 0)),
         **format_args(w, block_k), W8A8=a8, ACT_BLOCK=w.act_block if a8 else 1, ROW_DIV=row_div,
         HAS_BIAS=bias is not None,
         FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
@@ -226,6 +222,5 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), **slot_expand_args(lora_b),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

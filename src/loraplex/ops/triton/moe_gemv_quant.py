@@ -159,8 +159,7 @@ def _moe_gemv_quant_kernel(
     add, add_up, weight = pair_operands(
         expert, pairs, pairs < num_pairs, offs_n, n_mask, N, bias_ptr, weights_ptr, delta_ptr, token_slot_ptr,
         slot_mask_ptr, stride_be, stride_bn, stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-        MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, R, BLOCK_R, LORA_EXPAND,
-        False, 0, "ieee", UPCAST)
+        MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, R, BLOCK_R, LORA_EXPAND)
     store_pairs(acc1[None, :], acc1_up[None, :], add, add_up, weight, pairs, pairs < num_pairs, offs_n,
                 n_mask, limit, out_ptr, stride_om, stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT,
                 EVEN_N)

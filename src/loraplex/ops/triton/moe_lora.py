@@ -12,8 +12,7 @@ sort is one more single-program launch, shared by the gate/up and down paths.
 Tokens in slot -1 are in no block; their delta rows are never written (the GEMM does
 not read them). A/B columns past an adapter's rank are zero in the slot buffers, so
 computing all R columns is exact. One kernel does both products per block (the shrunk
-rows stay in registers) and writes the delta rows in delta's dtype; or, where the grouped
-GEMM expands (moe_epilogue.py, SLOT_EXPAND), the shrink alone, its float32 [rows, R].
+rows stay in registers) and writes the delta rows in delta's dtype.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ def _moe_lora_kernel(
     R: tl.constexpr, ROW_DIV: tl.constexpr, HAS_RANKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    SHRINK_ONLY: tl.constexpr,
 ):
     """One program per aligned block: shrink its rows by A[s, e] into registers, then walk
     every column block of B[s, e] and store the delta rows. The [rows, R] intermediate
@@ -77,11 +75,8 @@ def _moe_lora_kernel(
         a = col_tile(a_cols, k, K, r_mask, stride_ak, EVEN_K, UPCAST)
         acc += tl.dot(x, a, input_precision=DOT_PRECISION)
 
-    out_rows = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm
-    if SHRINK_ONLY:  # the [rows, R] float32 sums themselves; the base GEMM's epilogue expands them
-        tl.store(out_rows + offs_r[None, :] * stride_dn, acc, mask=m_mask[:, None] & (offs_r < R)[None, :])
-        return
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + offs_r[:, None] * stride_br
+    out_rows = delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -94,28 +89,24 @@ def _moe_lora_kernel(
         tl.store(out_rows + offs_n[None, :] * stride_dn, delta.to(delta_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor | None, delta: torch.Tensor,
+def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delta: torch.Tensor,
              align: Alignment, row_div: int, ranks: torch.Tensor | None = None) -> None:
     """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for the pairs of `align`
     (from align_lora); other rows are left as they are. lora_a [L, E, R, K]; lora_b
-    [L, E, N, R]; delta [P, N]; ranks: int32 [L], each slot's rank (A/B zero past it).
-    lora_b None: the shrink alone, delta float32 [P, R] (the grouped GEMM expands it)."""
+    [L, E, N, R]; delta [P, N]; ranks: int32 [L], each slot's rank (A/B zero past it)."""
     _, num_experts, rank, k = lora_a.shape
-    n = lora_b.shape[2] if lora_b is not None else rank
+    n = lora_b.shape[2]
     assert inp.shape[1] == k and delta.shape == (align.num_pairs, n), (inp.shape, lora_a.shape, delta.shape)
-    assert inp.dtype == lora_a.dtype, (inp.dtype, lora_a.dtype)
-    assert delta.dtype == torch.float32 if lora_b is None else lora_b.dtype == inp.dtype, delta.dtype
+    assert inp.dtype == lora_a.dtype == lora_b.dtype, (inp.dtype, lora_a.dtype, lora_b.dtype)
     if align.num_blocks == 0:
         return
     _moe_lora_kernel[(align.num_blocks,)](
-        inp, lora_a, lora_b if lora_b is not None else lora_a, delta, align.sorted_ids, align.block_groups,
-        align.num_valid,
+        inp, lora_a, lora_b, delta, align.sorted_ids, align.block_groups, align.num_valid,
         ranks if ranks is not None else align.num_valid,
         k, n, align.num_pairs, num_experts,
-        *inp.stride(), *lora_a.stride(), *(lora_b if lora_b is not None else lora_a).stride(),
-        *delta.stride(),
+        *inp.stride(), *lora_a.stride(), *lora_b.stride(), *delta.stride(),
         R=rank, ROW_DIV=row_div, HAS_RANKS=ranks is not None, BLOCK_M=align.block_m,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),  # tl.dot needs >= 16 on a GPU
         BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, EVEN_K=k % BLOCK_K == 0, EVEN_N=n % BLOCK_N == 0,
-        **dot_settings(inp.dtype), SHRINK_ONLY=lora_b is None, num_warps=NUM_WARPS,
+        **dot_settings(inp.dtype), num_warps=NUM_WARPS,
     )
