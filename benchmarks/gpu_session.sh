@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost |
+#        spec-cost | pdl |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -65,6 +65,20 @@ for step in $STEPS; do
     prefill-quant)  # RESULTS: "Prefill of quantized experts" (the quantized GEMM against dequantized + bf16)
       run prefill-quant 300 moe_kernels --sections prefill-quant --tokens 256 512 1024 2048 4096 8192 \
         --out "$OUT/prefill-quant.json" ;;
+    pdl)  # RESULTS: "Programmatic dependent launch" (the probe, then decode graphs without and with it)
+      run pdl-probe 120 pdl_probe --out "$OUT/pdl-probe.json"
+      for pdl in 0 1; do
+        export LORAPLEX_PDL=$pdl
+        run pdl-qwen3-w8a8-$pdl 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
+          --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 0 \
+          --out "$OUT/pdl-qwen3-w8a8-$pdl.json" | grep -E "decode graph"
+        run pdl-gpt-oss-$pdl 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 --batch 16 \
+          --prompt-len 1600 --adapters 16 --expert-adapters --lora-targets q_proj k_proj v_proj o_proj experts \
+          --out "$OUT/pdl-gpt-oss-$pdl.json" | grep -E "decode graph"
+        run pdl-llama-awq-$pdl 150 decode_breakdown --model llama-3.1-8b --quantization awq --batch 32 \
+          --prompt-len 512 --adapters 32 --out "$OUT/pdl-llama-awq-$pdl.json" | grep -E "decode graph"
+      done
+      unset LORAPLEX_PDL ;;
     attention)  # RESULTS: "Decode attention"
       run attention 400 attention_sweep --out "$OUT/attention.json" ;;
     prefill-lora)  # RESULTS: "LoRA kernels in a step with prefill tokens"

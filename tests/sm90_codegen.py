@@ -36,8 +36,15 @@ def compile_ptx(fn, args: dict, num_warps: int = 4) -> str:
 
 def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3):
     sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(inspect.signature(fn.fn).parameters):
-        v = args[name]
+    for i, (name, param) in enumerate(inspect.signature(fn.fn).parameters.items()):
+        # Parameters left out take their defaults, except PDL: on, as on a GPU (launch.pdl).
+        if name in args:
+            v = args[name]
+        elif name == "PDL":
+            v = const(True)
+        else:
+            assert param.default is not param.empty, f"{fn.fn.__name__}: no argument {name}"
+            v = const(param.default)
         if isinstance(v, tuple):
             sig[name], consts[name] = "constexpr", v[1]
         elif isinstance(v, str):
@@ -59,6 +66,9 @@ def widths(ptx: str) -> dict:
     counts = Counter()
     for op, vec, bits in re.findall(r"\b(ld|st)\.global(?:\.[a-z]+)*?(?:\.(v[248]))?\.(b\d+)", ptx):
         counts[f"{op}.{vec + '.' if vec else ''}{bits}"] += 1
+    # Programmatic dependent launch (ops/triton/launch.py): the wait before any input.
+    for op in re.findall(r"\bgriddepcontrol\.(wait|launch_dependents)", ptx):
+        counts[f"griddepcontrol.{op}"] += 1
     # Pipelined loops load global memory straight to shared memory: bytes per copy.
     copy = r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)"
     for size in re.findall(copy, ptx):

@@ -18,8 +18,8 @@ BENCH = ROOT / "benchmarks"
 # The maintained scripts. A new script goes here, with a docstring naming its figure in
 # RESULTS.md and a main(argv=None) whose parser comes from benchmarks.harness.
 SCRIPTS = ("adapter_load", "attention_sweep", "base_gemms", "decode_breakdown", "kernels",
-           "loader_interference", "mixed_steps", "moe_kernels", "prefill_kernels", "prefill_lora",
-           "profile_decode", "profile_prefill", "replica_routing", "slot_load", "speculative",
+           "loader_interference", "mixed_steps", "moe_kernels", "pdl_probe", "prefill_kernels",
+           "prefill_lora", "profile_decode", "profile_prefill", "replica_routing", "slot_load", "speculative",
            "structured_outputs", "train_model", "train_moe")
 MODULES = ("__init__", "harness")  # not scripts
 OTHER_FILES = ("LOG.md", "RESULTS.md", "gpu_session.sh")

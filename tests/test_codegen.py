@@ -71,3 +71,11 @@ def test_sampler_reads_the_logits_in_16_byte_vectors(counts):
     whole vectors (the two scalar loads are the row's temperature and seed)."""
     c = counts["race_sample"]
     assert c.get("ld.v4.b32", 0) > 0 and c.get("ld.b32", 0) <= 1, c
+
+
+def test_every_kernel_waits_for_its_inputs_first(counts):
+    """Launched with programmatic dependent launch (ops/triton/launch.py), each kernel's
+    code waits for the grids before it once, and lets the next launch once."""
+    assert counts
+    for name, c in counts.items():
+        assert c.get("griddepcontrol.wait") == 1 and c.get("griddepcontrol.launch_dependents") == 1, (name, c)

@@ -112,9 +112,10 @@ def test_fp8_split_k_sum_adds_the_lora_expand():
     buf = lora_shrink(x, a, batch)
     joined = []
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=2)
-    got = fp8_gemm.fp8_linear(x, _on_device(w), bias, cfg, lora=FusedExpand(buf, b, sizes, batch,
-                                                                             lambda: joined.append(1)))
-    want = lora_linear(x.cpu(), w, bias.cpu(), a.cpu(), b.cpu(), sizes, batch)
+    w = _on_device(w)
+    lora = FusedExpand(buf, b, sizes, batch, lambda: joined.append(1))
+    got = fp8_gemm.fp8_linear(x, w, bias, cfg, lora=lora)
+    want = lora_linear(x, w, bias, a, b, sizes, batch)  # (the batch's tensors are on DEVICE)
     assert joined == [1]
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
 

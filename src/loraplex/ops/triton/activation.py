@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def gated_act(gate, GELU: tl.constexpr):
@@ -19,7 +21,8 @@ def gated_act(gate, GELU: tl.constexpr):
 
 @triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, width, stride_x, stride_o,
-                       GELU: tl.constexpr, BLOCK: tl.constexpr):
+                       GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -36,7 +39,7 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     out = torch.empty(rows, size, dtype=x.dtype, device=x.device)
     block = 1024
     _act_and_mul_kernel[(rows, triton.cdiv(size, block))](
-        x, out, size, x.stride(0), out.stride(0), GELU=gelu, BLOCK=block, num_warps=4
+        x, out, size, x.stride(0), out.stride(0), GELU=gelu, BLOCK=block, num_warps=4, **pdl()
     )
     return out
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import e2m1, e8m0, fp8_values, operand
 
@@ -26,10 +27,11 @@ TILES = {"mxfp4": (8, 1024, 4), "fp8": (4, 1024, 4)}
 
 @triton.jit
 def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                             UPCAST: tl.constexpr):
+                             UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_K values a row: BLOCK_K / 2 bytes, one e8m0 scale per 16 of them, loaded
     once and broadcast; low and high nibbles interleaved in registers (tl.join) so the
     row is stored contiguously."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: k = 2j, 2j + 1
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # their scales
@@ -48,7 +50,9 @@ def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.con
 
 @triton.jit
 def _fp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, NUM_SCALES, BLOCK_SCALE_K: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < R)[:, None] & (k < K)[None, :]
@@ -71,8 +75,9 @@ def dequantize(w: Mxfp4Weight | Fp8Weight) -> torch.Tensor:
     if isinstance(w, Mxfp4Weight):
         assert k % MXFP4_BLOCK == 0
         _mxfp4_dequantize_kernel[grid](data, scale, out, rows, k, BLOCK_R=block_r, BLOCK_K=block_k,
-                                       UPCAST=INTERPRETED, num_warps=warps)
+                                       UPCAST=INTERPRETED, num_warps=warps, **pdl())
     else:
         _fp8_dequantize_kernel[grid](data, scale, out, rows, k, scale.shape[-1], BLOCK_SCALE_K=w.block_k,
-                                     BLOCK_R=block_r, BLOCK_K=block_k, UPCAST=INTERPRETED, num_warps=warps)
+                                     BLOCK_R=block_r, BLOCK_K=block_k, UPCAST=INTERPRETED, num_warps=warps,
+                                     **pdl())
     return out

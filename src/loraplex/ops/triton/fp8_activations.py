@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.reference.quant import ACT_MIN_AMAX, FP8_MAX
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
 
 ROWS = 16
@@ -55,7 +56,8 @@ def e4m3_rows(x, HAND_ROUND: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, stride_st,
                           BLOCK: tl.constexpr, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
-                          HAND_ROUND: tl.constexpr):
+                          HAND_ROUND: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     cols = group * BLOCK + tl.arange(0, BLOCK)
@@ -82,5 +84,6 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
         x, q, scale, t, k, x.stride(0), q.stride(0), scale.stride(0),
         BLOCK=width, ROWS=ROWS, EVEN_K=k % width == 0,
         HAND_ROUND=INTERPRETED, num_warps=4,
+        **pdl(),
     )
     return q, scale

@@ -57,6 +57,7 @@ from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
 from loraplex.ops.triton.gemm_tiles import row_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import fp8_w8a8_step
 from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
@@ -98,7 +99,9 @@ def _fp8_gemm_kernel(
     W_DTYPE: tl.constexpr, X_DTYPE: tl.constexpr, GEMV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # Grouped ordering: GROUP_M consecutive row blocks sweep the column blocks together.
     pid = tl.program_id(0)
     m_blocks = tl.cdiv(T, BLOCK_M)
@@ -238,6 +241,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, **dot_settings(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(),
     )
     if split_k > 1:
         split_k_sum(dest, bias, y, lora)

@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def _greedy_accept_kernel(best_ptr, ids_ptr, spec_ptr, found_ptr, out_ptr, added_ptr, shift_ptr,
-                          K1, K_BLOCK: tl.constexpr):
+                          K1, K_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     s = tl.program_id(0)
     first = tl.load(spec_ptr + s * 3)
     slots = tl.load(spec_ptr + s * 3 + 1)
@@ -42,5 +45,5 @@ def greedy_accept(best, input_ids, spec, found):
     if num_seqs:
         assert best.is_contiguous() and spec.is_contiguous()
         _greedy_accept_kernel[(num_seqs,)](best, input_ids, spec, found, verified, added, shift, k1,
-                                           K_BLOCK=triton.next_power_of_2(k1), num_warps=1)
+                                           K_BLOCK=triton.next_power_of_2(k1), num_warps=1, **pdl())
     return verified, added, shift

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import dot_settings
 
 BLOCK_M, BLOCK_N, NUM_WARPS = 64, 128, 4
@@ -25,8 +26,9 @@ def _grouped_lora_add_kernel(
     y_ptr, xa_ptr, b_ptr, ends_ptr, n_rows, n_cols, rank, num_experts, scale,
     stride_ym, stride_xm, stride_xr, stride_be, stride_br, stride_bn,
     LOG_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     row0 = tl.program_id(0) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     rows64 = rows.to(tl.int64)
@@ -84,4 +86,5 @@ def grouped_lora_add(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, ends: t
         LOG_E=max(1, num_experts.bit_length()), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), EVEN_N=n_cols % BLOCK_N == 0,
         **dot_settings(b.dtype), num_warps=NUM_WARPS,
+        **pdl(),
     )

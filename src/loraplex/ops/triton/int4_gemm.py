@@ -44,6 +44,7 @@ import triton.language as tl
 
 from loraplex.ops.formats import Int4Weight
 from loraplex.ops.triton.int4_configs import int4_config
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import even_odd, int4_bf16_pairs
 from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
@@ -113,8 +114,9 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BF16X2: tl.constexpr = False,
+    BF16X2: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # Grouped ordering: GROUP_M consecutive row blocks sweep the column blocks together.
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -183,8 +185,9 @@ def _int4_gemm_kernel(
 @triton.jit
 def _int4_dequantize_kernel(q_ptr, scale_ptr, zero_ptr, out_ptr, N, K, stride_qn, stride_sn, stride_sg,
                             stride_on, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """out = dequantize(W) in W's dtype: the GEMM's float32 decode, written out."""
+    wait_for_inputs(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     k = k0 + tl.arange(0, BLOCK_K)
@@ -243,6 +246,7 @@ def int4_dequantize(w: Int4Weight) -> torch.Tensor:
         w.data, w.scale, w.zero, out, n, k,
         w.data.stride(0), w.scale.stride(0), w.scale.stride(1), out.stride(0),
         GROUP=w.group, BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_K=block_k, UPCAST=INTERPRETED,
+        **pdl(),
     )
     return out
 
@@ -293,6 +297,7 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
         GROUP=w.group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
         **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, num_warps=num_warps, num_stages=num_stages,
+        **pdl(),
     )
     if split_k > 1:
         split_k_sum(dest, bias, out, lora)

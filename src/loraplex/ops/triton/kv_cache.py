@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -19,8 +21,9 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -51,11 +54,14 @@ def write_kv_cache(
         NUM_KV=num_kv, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv), BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=4,
+        **pdl(),
     )
 
 
 @triton.jit
-def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, stride_t, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _write_rows_kernel(src_ptr, cache_ptr, slot_ptr, stride_t, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -73,4 +79,5 @@ def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: 
     _write_rows_kernel[(latent.shape[0],)](
         latent, cache, slot_mapping, latent.stride(0), WIDTH=width, BLOCK=triton.next_power_of_2(width),
         num_warps=4,
+        **pdl(),
     )

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.activation import gated_act
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import gated_output, rank_ceil
 
 # As the expand GEMV (benchmarks/kernels.py): B blocks of 256 rows x r.
@@ -26,8 +27,9 @@ BLOCK_N = 256
 def _lora_act_gemv_kernel(
     gu_ptr, buf_ptr, b_ptr, out_ptr, token_slot_ptr, slot_ranks_ptr, width,
     stride_gm, stride_bs, stride_bm, stride_wl, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(1)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < width
@@ -64,5 +66,6 @@ def lora_act_gemv(gate_up: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor
         out.stride(0),
         BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(buf.shape[2]),
         GELU=activation == "gelu_tanh", num_warps=4,
+        **pdl(),
     )
     return out

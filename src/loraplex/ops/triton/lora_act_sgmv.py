@@ -19,6 +19,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.activation import gated_act
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import gated_output, rank_ceil
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile_or_tail, max_tiles
@@ -36,8 +37,9 @@ def _lora_act_sgmv_kernel(
     sorted_ids_ptr, group_slots_ptr, group_starts_ptr, group_ranks_ptr, num_groups, num_tokens,
     width, stride_gm, stride_bs, stride_bm, stride_wl, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, TILE_BLOCKS: tl.constexpr,
-    GELU: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GELU: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     span = BLOCK_M * TILE_BLOCKS
     group, m0 = find_tile_or_tail(tl.program_id(1), group_starts_ptr, num_groups, num_tokens, span)
     if group > num_groups:
@@ -100,5 +102,6 @@ def lora_act_sgmv(gate_up: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor
         out.stride(0),
         BLOCK_R=max(16, triton.next_power_of_2(buf.shape[2])), GELU=activation == "gelu_tanh",
         **dot_settings(lora_b.dtype), **cfg,
+        **pdl(),
     )
     return out

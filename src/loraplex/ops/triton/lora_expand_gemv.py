@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import column_alignment, rank_ceil, slice_starts
 
 # Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/LOG.md).
@@ -24,8 +25,9 @@ def _expand_gemv_kernel(
     buf_ptr, b_ptr, y_ptr, token_slot_ptr, slot_ranks_ptr, slice_starts_ptr,
     stride_bs, stride_bm, stride_wl, stride_wn, stride_ym,
     N_BLOCKS_PER_SLICE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_sn = tl.program_id(0)
     t = tl.program_id(1)
     s = pid_sn // N_BLOCKS_PER_SLICE
@@ -66,4 +68,5 @@ def lora_expand_gemv(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor,
         N_BLOCKS_PER_SLICE=n_blocks, BLOCK_N=block_n,
         BLOCK_R=triton.next_power_of_2(max_rank), ALIGN=column_alignment(slice_sizes),
         num_warps=4,
+        **pdl(),
     )

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import column_alignment, rank_ceil, slice_starts
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
@@ -45,8 +46,9 @@ def _lora_expand_kernel(
     N_BLOCKS_PER_SLICE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     TILE_BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_sn = tl.program_id(0)  # slice * N_BLOCKS_PER_SLICE + column block
     tile = tl.program_id(1)
     s = pid_sn // N_BLOCKS_PER_SLICE
@@ -121,4 +123,5 @@ def lora_expand_sgmv(
         **dot_settings(lora_b.dtype),
         ALIGN=column_alignment(slice_sizes),
         num_warps=cfg["num_warps"],
+        **pdl(),
     )

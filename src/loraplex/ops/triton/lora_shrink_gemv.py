@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 
 # Tuned on H200 for Llama-3.1-8B decode (benchmarks/kernels.py; benchmarks/LOG.md).
 BLOCK_K = 256
@@ -32,7 +33,9 @@ def _shrink_gemv_kernel(
     K,
     stride_xm, stride_as, stride_al, stride_ar, stride_os, stride_om,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_sk = tl.program_id(0)
     t = tl.program_id(1)
     s = pid_sk // SPLIT_K
@@ -83,6 +86,7 @@ def lora_shrink_gemv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
         BLOCK_R=triton.next_power_of_2(max_rank), BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=in_features % block_k == 0,
         num_warps=NUM_WARPS,
+        **pdl(),
     )
     return out
 

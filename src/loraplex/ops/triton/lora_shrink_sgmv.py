@@ -20,6 +20,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
 
@@ -49,7 +50,9 @@ def _lora_shrink_kernel(
     stride_os, stride_om, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_sk = tl.program_id(0)  # slice * SPLIT_K + k-split
     s = pid_sk // SPLIT_K
     k_split = pid_sk % SPLIT_K
@@ -114,5 +117,6 @@ def lora_shrink_sgmv(x: torch.Tensor, lora_a: torch.Tensor, batch: LoRABatch) ->
         EVEN_K=in_features % cfg["BLOCK_K"] == 0,
         **dot_settings(x.dtype),
         num_warps=cfg["num_warps"],
+        **pdl(),
     )
     return out

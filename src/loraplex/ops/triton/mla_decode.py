@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import AttentionBatch, MLALoRA
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.mla_lora import add_key_delta, add_value_delta
 from loraplex.ops.triton.precision import dot_settings
 
@@ -68,7 +69,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         batch.block_tables.stride(0), heads, splits, rank, rope,
         R_PAD=max(16, triton.next_power_of_2(rank)), D_PAD=max(16, triton.next_power_of_2(rope)),
-        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **dot_settings(cache.dtype), num_warps=4,
+        PAGE=page, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, **dot_settings(cache.dtype), num_warps=4, **pdl(),
     )
     # Merge: each split's sum of exp(s - m_split); empty splits have m = -inf and sum 0.
     m, total = stats[..., 0], stats[..., 1]
@@ -84,7 +85,8 @@ def _mla_split(q_lat, q_pe, cache, block_tables, seq_lens, acc_out, stats_out, s
                stride_qt, stride_qh, stride_pt, stride_ph, stride_cp, stride_cs, stride_bt,
                H, NUM_SPLITS, R, D, R_PAD: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     split, seq, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N

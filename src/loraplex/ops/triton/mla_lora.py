@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import MLALoRA
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import dot_settings
 
 BLOCK_H = 16  # heads per program (tl.dot's least M)
@@ -48,7 +49,7 @@ def _launch(kernel, target: torch.Tensor, src: torch.Tensor, b: torch.Tensor, lo
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
         heads, b.shape[2], a.shape[1], a.shape[2],
         R_PAD=max(16, triton.next_power_of_2(a.shape[1])), BLOCK_H=BLOCK_H, BLOCK_IN=BLOCK_IN,
-        BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4,
+        BLOCK_LAT=BLOCK_LAT, **dot_settings(a.dtype), num_warps=4, **pdl(),
     )
 
 
@@ -66,7 +67,9 @@ def _program(token_slot, H, R, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
 @triton.jit
 def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_ar, s_bs, s_bh, s_bn,
                H, NOPE, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
-               BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t, slot, heads, hmask, k, kmask = _program(token_slot, H, R, R_PAD, BLOCK_H)
     if slot < 0:
         return
@@ -99,7 +102,9 @@ def _key_delta(q_lat, q_nope, a, b, token_slot, s_qt, s_qh, s_nt, s_nh, s_as, s_
 @triton.jit
 def _value_delta(out, o_lat, a, b, token_slot, s_ot, s_oh, s_lt, s_lh, s_as, s_ar, s_bs, s_bh, s_bv,
                  H, V, R, LAT, R_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_IN: tl.constexpr,
-                 BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_LAT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t, slot, heads, hmask, k, kmask = _program(token_slot, H, R, R_PAD, BLOCK_H)
     if slot < 0:
         return

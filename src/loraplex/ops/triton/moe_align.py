@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 CHUNK, NUM_WARPS = 1024, 8
 
 
@@ -55,8 +57,9 @@ def _moe_align_kernel(
     sorted_ids_ptr, block_groups_ptr, num_valid_ptr, stats_ptr,
     num_pairs, top_k, num_experts, num_groups, num_blocks,
     BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     offs = tl.arange(0, CHUNK)
     # 0. Initialise: zero counters, sentinel everywhere, no group for any block.
     for g0 in range(0, num_groups, CHUNK):
@@ -133,6 +136,7 @@ def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts:
             p, top_k, num_experts, num_groups, num_blocks,
             BLOCK_M=block_m, HAS_SLOTS=token_slot is not None, HAS_MASK=slot_mask is not None,
             HAS_STATS=stats is not None, CHUNK=CHUNK, num_warps=NUM_WARPS,
+            **pdl(),
         )
     return Alignment(out[:size], out[size:size + num_blocks], out[size + num_blocks:], num_blocks,
                      block_m, p)

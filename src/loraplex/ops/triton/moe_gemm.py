@@ -26,6 +26,7 @@ import triton.language as tl
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config, weight_format
 from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
@@ -76,7 +77,9 @@ def _moe_gemm_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -152,4 +155,5 @@ def moe_gemm(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=w.shape[2] % cfg["BLOCK_K"] == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(),
     )

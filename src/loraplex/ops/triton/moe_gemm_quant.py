@@ -51,6 +51,7 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.gemm_tiles import row_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
 from loraplex.ops.triton.precision import dot_settings
@@ -83,8 +84,9 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MXFP4_PATH: tl.constexpr,
+    MXFP4_PATH: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
     # Grouped ordering: GROUP_M consecutive pair blocks sweep the column blocks together.
@@ -223,4 +225,5 @@ def moe_gemm_quant(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
         MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(),
     )

@@ -37,6 +37,7 @@ import triton.language as tl
 from loraplex.ops.formats import Fp8Weight, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_epilogue import check_delta, pair_operands, store_pairs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import (
@@ -82,8 +83,9 @@ def _moe_gemv_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, PTX: tl.constexpr, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
-    LORA_EXPAND: tl.constexpr = False,
+    LORA_EXPAND: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
     K = 2 * K_STORED if FORMAT == "mxfp4" else K_STORED
     pair = tl.program_id(0)
@@ -213,4 +215,5 @@ def moe_gemv_quant(
         R=lora_b.shape[3] if lora_b is not None else 1,
         BLOCK_R=triton.next_power_of_2(lora_b.shape[3]) if lora_b is not None else 1,
         LORA_EXPAND=lora_b is not None, num_warps=cfg["num_warps"],
+        **pdl(),
     )

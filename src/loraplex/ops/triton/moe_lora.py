@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import rank_ceil
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.precision import dot_settings
@@ -44,10 +45,12 @@ def _moe_lora_kernel(
     R: tl.constexpr, ROW_DIV: tl.constexpr, HAS_RANKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per aligned block: shrink its rows by A[s, e] into registers, then walk
     every column block of B[s, e] and store the delta rows. The [rows, R] intermediate
     never leaves the program: one launch per projection, nothing to zero or re-read."""
+    wait_for_inputs(PDL)
     blk = tl.program_id(0)
     if blk * BLOCK_M >= tl.load(num_valid_ptr):
         return
@@ -109,4 +112,5 @@ def moe_lora(inp: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, delt
         BLOCK_R=max(16, triton.next_power_of_2(rank)),  # tl.dot needs >= 16 on a GPU
         BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, EVEN_K=k % BLOCK_K == 0, EVEN_N=n % BLOCK_N == 0,
         **dot_settings(inp.dtype), num_warps=NUM_WARPS,
+        **pdl(),
     )

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import rank_ceil
 
 # Tuned on H200 at 16 decode tokens, Qwen3-30B-A3B and gpt-oss-20b experts
@@ -43,8 +44,9 @@ def _moe_lora_gemv_kernel(
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True,
+    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pair = tl.program_id(0)
     split = tl.program_id(1)
     # Loads are issued before the branches that need them, two round trips in all: the
@@ -130,6 +132,7 @@ def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.T
         HAS_MASK=slot_mask is not None, HAS_RANKS=ranks is not None, N_SPLIT=n_split,
         BLOCK_K=block_k, BLOCK_N=block_n, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
         NUM_STAGES=NUM_STAGES, EXPAND=expand, num_warps=NUM_WARPS,
+        **pdl(),
     )
 
 

@@ -12,12 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit(do_not_specialize=["num_experts"])
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
@@ -49,5 +53,5 @@ def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool):
     if t:
         _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
                             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(e),
-                            BLOCK_K=triton.next_power_of_2(top_k))
+                            BLOCK_K=triton.next_power_of_2(top_k), **pdl())
     return weights, ids

@@ -15,11 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def _ngram_inputs_kernel(ids_ptr, pos_ptr, slots_ptr, seq_lens_ptr, tables_ptr, qsl_ptr, chunks_ptr,
                          last_ids_ptr, last_shift_ptr, hist_ptr, found_ptr, table_stride, hist_stride,
-                         block_size, n_min, N_MAX: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr):
+                         block_size, n_min, N_MAX: tl.constexpr, BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     c = tl.program_id(0)
     src = tl.load(chunks_ptr + c * 3)
     row = tl.load(chunks_ptr + c * 3 + 1)
@@ -82,5 +86,5 @@ def ngram_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, que
             input_ids, positions, slot_mapping, seq_lens, block_tables, query_start_loc, chunks,
             last_ids, last_shift, history, found, block_tables.stride(0), history.stride(0),
             block_size, n_min, N_MAX=n_max, BLOCK=256, K_BLOCK=triton.next_power_of_2(max(1, max_drafts)),
-            num_warps=4)
+            num_warps=4, **pdl())
     return found

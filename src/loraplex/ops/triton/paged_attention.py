@@ -31,6 +31,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.segment_tiles import find_tile, max_tiles
@@ -67,8 +68,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, ONE_TILE: tl.constexpr,
+    UPCAST: tl.constexpr, ONE_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     kv_head = tl.program_id(1)
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
     if ONE_TILE:  # short chunks: program i is sequence i's tokens
@@ -170,5 +172,6 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None,
         **dot_settings(q.dtype), ONE_TILE=short,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(),
     )
     return out

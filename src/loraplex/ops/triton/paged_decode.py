@@ -32,6 +32,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import dot_settings
 
 # Keys per partition: a split covers whole partitions of its sequence's context, so a
@@ -113,8 +114,9 @@ def _decode_split_kernel(
     stride_bt,
     GROUP: tl.constexpr, QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     split = tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -169,8 +171,9 @@ def _decode_merge_kernel(
     stride_ot, stride_oh, stride_od,
     QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    USE_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tok = tl.program_id(2)
@@ -244,6 +247,7 @@ def paged_decode(
         BLOCK_M=cfg["BLOCK_M"],
         **common, **dot_settings(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(),
     )
     block_s = triton.next_power_of_2(splits)
     _decode_merge_kernel[(num_seqs, num_heads, query_len)](
@@ -251,5 +255,6 @@ def paged_decode(
         window, splits, num_heads, *out.stride(),
         QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
         USE_SINKS=sinks is not None, num_warps=min(8, max(1, block_s * block_d // 1024)),
+        **pdl(),
     )
     return out

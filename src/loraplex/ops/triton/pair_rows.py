@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def _pair_rows_kernel(x_ptr, inv_ptr, out_ptr, width, stride_x, stride_o,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < width
@@ -37,5 +40,5 @@ def copy_rows_to_pairs(x: torch.Tensor, inv: torch.Tensor, top_k: int, extra: in
     if n_tokens:
         _pair_rows_kernel[(n_tokens, triton.cdiv(width, block))](
             x, inv, out, width, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-            num_warps=max(1, min(8, block // 256)))
+            num_warps=max(1, min(8, block // 256)), **pdl())
     return out

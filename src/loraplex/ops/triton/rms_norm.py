@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import operand
 
@@ -40,8 +41,9 @@ def _rms_norm_kernel(
     N, eps,
     stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
     INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    SUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     outer, inner = row // INNER, row % INNER
     offs = tl.arange(0, BLOCK_N)
@@ -88,6 +90,7 @@ def _launch(x, residual, weight, eps, unit_offset):
         INNER=out_shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
         SUM_ROWS=sum_rows, BLOCK_N=triton.next_power_of_2(n),
         num_warps=4 if n <= 4096 else 8,
+        **pdl(),
     )
     return out.view(x.shape if residual is None else residual.shape), res_out
 
@@ -113,7 +116,9 @@ TRAIN_MODES = {"llama": 0, "fp32_weight": 1, "unit_offset": 2}
 def _rms_norm_train_kernel(
     x_ptr, w_ptr, y_ptr, rstd_ptr, R, N, eps, stride_x, stride_y,
     MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < R
@@ -137,9 +142,11 @@ def _rms_norm_train_kernel(
 def _rms_norm_backward_kernel(
     g_ptr, x_ptr, rstd_ptr, w_ptr, dx_ptr, R, N, stride_g, stride_x, stride_dx,
     MODE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dx = rstd (gxhat - xhat mean(gxhat xhat)), gxhat = g w (g (1 + w) for Gemma): the
     rounding of the forward passes gradients through unchanged."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < R)[:, None] & (cols < N)[None, :]
@@ -205,6 +212,7 @@ def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str)
         _rms_norm_train_kernel[(triton.cdiv(xr.shape[0], cfg["BLOCK_M"]),)](
             xr, weight, yr, rstd_r, xr.shape[0], n, eps, xr.stride(0), yr.stride(0),
             MODE=TRAIN_MODES[mode], UPCAST=INTERPRETED, **cfg,
+            **pdl(),
         )
     return y, rstd
 
@@ -221,5 +229,6 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weig
         _rms_norm_backward_kernel[(triton.cdiv(xr.shape[0], cfg["BLOCK_M"]),)](
             gr, xr, rstd_r, weight, dxr, xr.shape[0], n, gr.stride(0), xr.stride(0), dxr.stride(0),
             MODE=TRAIN_MODES[mode], UPCAST=INTERPRETED, **cfg,
+            **pdl(),
         )
     return dx

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import operand
 
@@ -25,8 +26,9 @@ def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr, S, H,
     stride_xb, stride_xh, stride_xs, stride_yb, stride_yh, stride_ys, stride_cb, stride_cs,
     HALF: tl.constexpr, BACKWARD: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -67,6 +69,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
             cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
             HALF=d // 2, BACKWARD=backward, UPCAST=INTERPRETED, BLOCK_S=block_s, BLOCK_D=block_d,
             num_warps=4,
+            **pdl(),
         )
     return y
 

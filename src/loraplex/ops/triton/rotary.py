@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import QKNorm
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.rms_norm import scale_normed
 
 
@@ -24,8 +25,9 @@ def _rotary_kernel(
     stride_cs,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, BLOCK_HALF)
@@ -78,5 +80,6 @@ def rotary_embedding(
         BLOCK_HALF=triton.next_power_of_2(half),
         NORM=qk_norm is not None, UNIT_OFFSET=bool(qk_norm and qk_norm.unit_offset),
         num_warps=4,
+        **pdl(),
     )
     return q_out, k_out

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.reference.sampling import MIN_DRAW
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 
 # Each program scores SPAN tokens of one row (a 128K vocabulary: 16 programs per row, so
 # a decode step of 32 rows fills the GPU); a second launch picks each row's best of them.
@@ -25,7 +26,9 @@ BLOCK_V, SPAN, NUM_WARPS = 4096, 8192, 8
 
 @triton.jit
 def _race_partial_kernel(logits_ptr, temperature_ptr, seeds_ptr, best_ptr, best_id_ptr, vocab, stride_row,
-                         min_draw, splits, SPAN: tl.constexpr, BLOCK_V: tl.constexpr):
+                         min_draw, splits, SPAN: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temperature_ptr + row)
@@ -54,7 +57,9 @@ def _race_partial_kernel(logits_ptr, temperature_ptr, seeds_ptr, best_ptr, best_
 
 
 @triton.jit
-def _race_pick_kernel(best_ptr, best_id_ptr, out_ptr, splits, vocab, BLOCK_S: tl.constexpr):
+def _race_pick_kernel(best_ptr, best_id_ptr, out_ptr, splits, vocab, BLOCK_S: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     mask = s < splits
@@ -76,6 +81,8 @@ def race_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     best_id = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _race_partial_kernel[(rows, splits)](logits, temperature, seeds, best, best_id, vocab, logits.stride(0),
-                                         MIN_DRAW, splits, SPAN=span, BLOCK_V=block_v, num_warps=NUM_WARPS)
-    _race_pick_kernel[(rows,)](best, best_id, out, splits, vocab, BLOCK_S=triton.next_power_of_2(splits))
+                                         MIN_DRAW, splits, SPAN=span, BLOCK_V=block_v, num_warps=NUM_WARPS,
+                                         **pdl())
+    _race_pick_kernel[(rows,)](best, best_id, out, splits, vocab, BLOCK_S=triton.next_power_of_2(splits),
+    **pdl())
     return out

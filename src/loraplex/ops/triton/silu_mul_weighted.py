@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 ROWS = 8  # rows per program; columns in blocks of up to 1024, looped
 
 
@@ -46,7 +48,8 @@ def _gate_up_tile(gu_ptr, rows, row_ok, start, width, stride_gu, BLOCK: tl.const
 
 @triton.jit
 def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu, stride_o,
-                    ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     rows, row_ok, pair, w = _row_block(order_ptr, w_ptr, n_rows, ROWS)
     for start in range(0, width, BLOCK):
         cols, m, at, gate, up = _gate_up_tile(gu_ptr, rows, row_ok, start, width, stride_gu, BLOCK)
@@ -56,7 +59,8 @@ def _forward_kernel(gu_ptr, w_ptr, order_ptr, out_ptr, n_rows, width, stride_gu,
 
 @triton.jit
 def _backward_kernel(g_ptr, gu_ptr, w_ptr, order_ptr, dgu_ptr, dw_ptr, n_rows, width, stride_g, stride_gu,
-                     stride_dgu, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_dgu, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     rows, row_ok, pair, w = _row_block(order_ptr, w_ptr, n_rows, ROWS)
     dw = tl.zeros([ROWS], dtype=tl.float32)
     for start in range(0, width, BLOCK):
@@ -88,7 +92,8 @@ def silu_mul_weighted(gate_up: torch.Tensor, weight: torch.Tensor, order: torch.
     assert gate_up.stride(1) == 1 and weight.is_contiguous() and order.is_contiguous()
     out = gate_up.new_empty(n, width + pad)  # the pad columns are the caller's
     _forward_kernel[(triton.cdiv(n, ROWS),)](gate_up, weight, order, out, n, width, gate_up.stride(0),
-                                             out.stride(0), ROWS=ROWS, BLOCK=_block(width), num_warps=4)
+                                             out.stride(0), ROWS=ROWS, BLOCK=_block(width), num_warps=4,
+                                             **pdl())
     return out
 
 
@@ -100,5 +105,5 @@ def silu_mul_weighted_backward(grad: torch.Tensor, gate_up: torch.Tensor, weight
     d_weight = torch.empty_like(weight)
     _backward_kernel[(triton.cdiv(n, ROWS),)](grad, gate_up, weight, order, d_gate_up, d_weight, n, width,
                                               grad.stride(0), gate_up.stride(0), d_gate_up.stride(0),
-                                              ROWS=ROWS, BLOCK=_block(width), num_warps=4)
+                                              ROWS=ROWS, BLOCK=_block(width), num_warps=4, **pdl())
     return d_gate_up, d_weight

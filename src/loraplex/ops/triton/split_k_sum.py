@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.lora_common import rank_ceil, slice_starts
 
 SUM_BLOCK_N = 1024  # columns per program
@@ -42,9 +43,11 @@ def _split_k_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm,
                         buf_ptr, lora_b_ptr, token_slot_ptr, slot_ranks_ptr, starts_ptr,
                         stride_fs, stride_fm, stride_bl, stride_bn,
                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr):
+                        HAS_LORA: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out[m] = sum over the splits of part[s, m] (in split order) + bias (+ the token's
     LoRA delta: buf [S, M, R] float32 of the shrink, B [L, N, R]), rounded once."""
+    wait_for_inputs(PDL)
     m = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = n < N
@@ -92,4 +95,5 @@ def split_k_sum(parts: torch.Tensor, bias: torch.Tensor | None, out: torch.Tenso
         SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, HAS_LORA=lora is not None,
         NUM_SLICES=len(lora.slice_sizes) if lora is not None else 1,
         BLOCK_R=triton.next_power_of_2(lora.buf.shape[2]) if lora is not None else 1,
+        **pdl(),
     )

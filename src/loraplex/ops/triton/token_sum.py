@@ -12,10 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.triton.launch import pdl, wait_for_inputs
+
 
 @triton.jit
 def _token_sum_kernel(rows_ptr, inv_ptr, out_ptr, width, stride_r, stride_o,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < width
@@ -34,5 +37,5 @@ def sum_rows_by_token(rows: torch.Tensor, inv: torch.Tensor, top_k: int) -> torc
     block = min(2048, triton.next_power_of_2(width))
     _token_sum_kernel[(n_tokens, triton.cdiv(width, block))](
         rows, inv, out, width, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block,
-        num_warps=max(1, min(8, block // 256)))
+        num_warps=max(1, min(8, block // 256)), **pdl())
     return out

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL, sm_90 on) for the engine's Triton kernels.
+
+In the CUDA graph of a decode step some 15 small kernels a layer follow one another, and
+each one's launch waited for the one before to drain: ~1.3 us a kernel on an H200 for a
+kernel with almost no work (benchmarks/pdl_probe.py). Launched with PDL, a kernel's
+programs may be scheduled while the grid before it still runs. Every kernel therefore
+starts with `wait_for_inputs`: it waits until the grids before it have finished and
+their writes are visible, then lets the next kernel launch. What overlaps is the launch
+and the ramp, never a read of an input. Kernels before and after that are not ours
+(cuBLAS, torch) keep ordinary stream order.
+
+Off under the interpreter, on GPUs before sm_90 and with LORAPLEX_PDL=0 (to compare).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.ops.triton.precision import INTERPRETED
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """First in every kernel: with PDL, wait for the grids this launch depends on (their
+    writes visible), then let the kernel after this one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _enabled() -> bool:
+    if INTERPRETED or os.environ.get("LORAPLEX_PDL", "1") == "0" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+def pdl() -> dict:
+    """The launch arguments of a kernel that starts with wait_for_inputs: its PDL
+    constexpr and Triton's launch_pdl option, both on where PDL is."""
+    on = _enabled()
+    return dict(PDL=on, launch_pdl=on)
