@@ -31,9 +31,8 @@ def set_pdl(on: bool) -> None:
 
 
 def chain(kind: str, length: int):
-    """A function launching `length` kernels of `kind`, each reading the previous output;
-    and the buffer holding the input of the first (and, with an even length, the output
-    of the last)."""
+    """A function launching `length` kernels of `kind`, each reading the previous output,
+    and returning the last one's."""
     import torch
 
     from loraplex.ops.reference.quant import quantize_fp8

@@ -62,3 +62,17 @@ def test_pdl_is_on_exactly_where_it_can_run():
     can = (not INTERPRETED and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
            and os.environ.get("LORAPLEX_PDL", "1") != "0")
     assert launch.pdl() == {"PDL": can, "launch_pdl": can}
+
+
+def test_a_setting_other_than_0_or_1_is_refused(monkeypatch):
+    """LORAPLEX_PDL=off would otherwise leave PDL on without a word: the module refuses it
+    as the engine imports its kernels."""
+    import importlib
+
+    import pytest
+
+    monkeypatch.setenv("LORAPLEX_PDL", "off")
+    with pytest.raises(ValueError, match="LORAPLEX_PDL must be 0 or 1, got 'off'"):
+        importlib.reload(launch)
+    monkeypatch.undo()
+    importlib.reload(launch)  # the module as it was, for the tests after this one
