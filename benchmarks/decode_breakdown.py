@@ -140,8 +140,9 @@ def build_parser():
     p.add_argument("--routing-stats", action="store_true",
                    help="MoE: count distinct experts per step in the graphs, as `loraplex bench` does")
     p.add_argument("--without-activation-quant", action="store_true",
-                   help="W8A8: the graphs without the activations' quantization launches (each "
-                        "quantization replays its first result: wrong values, the bound of fusing it away)")
+                   help="W8A8: the graphs without the activations' quantization launches left (o_proj's "
+                        "and the experts' down inputs; the norms write the others): each replays its first "
+                        "result, wrong values, the bound of fusing them away")
     return p
 
 

@@ -140,6 +140,13 @@ def kernels() -> dict:
         logits_ptr=f32, temperature_ptr=f32, seeds_ptr="*i64", best_ptr=f32, best_id_ptr=i32,
         vocab=128256, stride_row=128256, min_draw=1e-20, splits=16, SPAN=const(8192),
         BLOCK_V=const(4096)), num_warps=8)
+    # The decoder's norm in front of a W8A8 GEMM (Qwen3-30B-A3B FP8: hidden 2048, blocks of
+    # 128): the residual, the bf16 row and its e4m3 row with their scales.
+    out["rms_norm_fp8"] = compile_ptx(mod("rms_norm")._rms_norm_kernel, dict(
+        x_ptr=bf, res_ptr=bf, w_ptr=bf, out_ptr=bf, res_out_ptr=bf, q_ptr="*fp8e4nv", s_ptr=f32,
+        N=h, eps=1e-6, stride_x0=h, stride_x1=h, stride_r0=h, stride_o0=h, stride_o1=h, stride_q0=h,
+        stride_s0=16, INNER=const(1), HAS_RESIDUAL=const(True), UNIT_OFFSET=const(False), SUM_ROWS=const(8),
+        BLOCK_N=const(h), FP8_BLOCK=const(128), HAND_ROUND=const(False)))
     return {name: widths(ptx) for name, ptx in out.items()}
 
 

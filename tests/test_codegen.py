@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,14 @@ def test_output_tiles_are_stored_in_16_byte_vectors(counts, kernel):
 def test_expert_gemm_reads_adapter_deltas_in_vectors(counts, kernel):
     # The float32 delta tile (and its up half, N columns on) is the epilogue's only load.
     assert counts[kernel].get("ld.v4.b32", 0) > 0, counts[kernel]
+
+
+def test_norm_writes_e4m3_rows_in_16_byte_vectors(counts):
+    """The norm in front of a W8A8 GEMM stores the residual, the bf16 row and the e4m3 row
+    in whole vectors; its one scalar store is a thread's block scale."""
+    c = counts["rms_norm_fp8"]
+    narrow = {k: v for k, v in c.items() if re.fullmatch(r"st\.(v[248]\.)?b(8|16)", k)}
+    assert not narrow and c.get("st.v4.b32", 0) >= 3 and c.get("st.b32", 0) <= 1, c
 
 
 def test_sampler_reads_the_logits_in_16_byte_vectors(counts):

@@ -160,7 +160,8 @@ def test_fp8_gemm_leading_dims_empty_inputs_and_dispatch(monkeypatch):
     import loraplex.ops.triton as triton_ops
 
     calls = []
-    monkeypatch.setattr(triton_ops, "fp8_linear", lambda *a: calls.append(a) or fp8_gemm.fp8_linear(*a))
+    monkeypatch.setattr(triton_ops, "fp8_linear",
+                        lambda *a, **kw: calls.append(a) or fp8_gemm.fp8_linear(*a, **kw))
     with ops.using_backend("triton"):
         ops.linear(x[0], w)
     assert len(calls) == 1
@@ -307,9 +308,9 @@ def test_compressed_tensors_fp8_through_the_triton_kernel(dense_dir, tmp_path, s
 
     forms = set()
 
-    def counted(x, w, bias):
+    def counted(x, w, bias, **kwargs):
         forms.add(fp8_configs.default_config(x.shape[0])["BLOCK_M"] < 16)
-        return fp8_gemm.fp8_linear(x, w, bias)
+        return fp8_gemm.fp8_linear(x, w, bias, **kwargs)
 
     monkeypatch.setattr(triton_ops, "fp8_linear", counted)
     quantized, oracle = write_ct_fp8(dense_dir, tmp_path, strategy)

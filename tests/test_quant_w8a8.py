@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import ADAPTERS, DEVICE, DTYPE, build_tiny_model, make_llm, make_peft_adapter, random_prompts
-from quantized import check_against_twin, write_fp8_block, write_tiny_qwen3_moe
+from quantized import PROMPT_SCORING, check_against_twin, write_fp8_block, write_tiny_qwen3_moe
 
+from loraplex import ops
 from loraplex.config import W8A8_PREFILL_MIN_TOKENS, QuantConfig
 from loraplex.engine.args import EngineArgs
 from loraplex.errors import ModelLoadError
@@ -88,6 +89,71 @@ def test_activation_quantizer_kernel_is_the_reference_bit_for_bit(t, k, block):
     want_q, want_scale = quantize_activations(x, block)
     assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(scale.cpu(), want_scale)
+
+
+@pytest.mark.parametrize("n,block", [(256, 128), (96, 32), (80, 32), (64, 64)])
+@pytest.mark.parametrize("form", ["plain", "residual", "summed-terms", "unit-offset"])
+def test_norm_writes_the_rows_the_w8a8_gemm_reads(n, block, form):
+    """The norm in front of a W8A8 GEMM also writes its output's e4m3 rows and scales:
+    quantize_activations of that output bit for bit (rows of whole and partial blocks,
+    a zero row), the output itself as without them. The plain-torch op gives the same."""
+    gen = torch.Generator().manual_seed(n + block)
+    dtype = getattr(torch, DTYPE)
+    x = (torch.randn(7, *((3,) if form == "summed-terms" else ()), n, generator=gen) * 3).to(dtype)
+    x[2] = 0
+    w = (torch.randn(n, generator=gen) * 0.3 + (0 if form == "unit-offset" else 1)).to(dtype)
+    res = torch.randn(7, n, generator=gen).to(dtype) if form in ("residual", "summed-terms") else None
+    res = None if res is None else res.to(DEVICE)
+    if res is not None:
+        res[2] = 0
+    unit = form == "unit-offset"
+    for backend in ("triton", "torch"):
+        with ops.using_backend(backend):
+            args = (x.to(DEVICE), res, w.to(DEVICE), 1e-6, unit)
+            if res is None:
+                (y, rows), plain = ops.rms_norm(*args[:1], *args[2:], fp8_block=block), ops.rms_norm(
+                    *args[:1], *args[2:])
+            else:
+                y, r, rows = ops.add_rms_norm(*args, fp8_block=block)
+                plain, plain_r = ops.add_rms_norm(*args)
+                assert torch.equal(r, plain_r)
+            assert torch.equal(y, plain), backend
+            want_q, want_scale = quantize_activations(y.cpu(), block)
+            assert rows.q.shape == y.shape and rows.scale.shape == want_scale.shape
+            assert torch.equal(rows.q.cpu().view(torch.uint8), want_q.view(torch.uint8)), backend
+            assert torch.equal(rows.scale.cpu(), want_scale), backend
+
+
+def test_w8a8_layers_read_the_norms_rows(tmp_path, monkeypatch):
+    """Served W8A8 (Triton ops), the norms in front of q/k/v and the experts write the
+    e4m3 rows those GEMMs read: two quantization launches a layer (o_proj's input and
+    the experts' h) instead of four, and the same logprobs as with every GEMM
+    quantizing its own input."""
+    from loraplex.ops.triton import fp8_gemm, fused_moe
+
+    src = write_tiny_qwen3_moe(tmp_path / "moe")
+    quantized, _ = write_fp8_block(src, tmp_path, (16, 32))
+    llm = make_llm(quantized, fp8_activations="dynamic", ops_backend="triton")
+    prompts = random_prompts(2, (5, 12), seed=7)
+    calls = []
+
+    def counted(quantize):
+        def run(x, block):
+            calls.append(tuple(x.shape))
+            return quantize(x, block)
+        return run
+    monkeypatch.setattr(fp8_gemm, "quantize_activations", counted(fp8_gemm.quantize_activations))
+    monkeypatch.setattr(fused_moe, "quantize_activations", counted(fused_moe.quantize_activations))
+    fused = llm.generate(prompts, PROMPT_SCORING, use_tqdm=False)
+    steps = len(calls)
+    layers = len(llm.engine.runner.model.model.layers)
+    monkeypatch.setattr(ops, "fp8_input_block", lambda weights, tokens: 0)
+    calls.clear()
+    unfused = llm.generate(prompts, PROMPT_SCORING, use_tqdm=False)
+    assert steps > 0 and len(calls) == 2 * steps and steps % (2 * layers) == 0
+    for a, b in zip(fused, unfused):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs == b.prompt_logprobs
 
 
 @pytest.mark.parametrize("t", [1, 5, 16, 33, 70])  # 70: 64-row tiles, the others swapped

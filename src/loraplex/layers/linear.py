@@ -23,6 +23,7 @@ from loraplex import ops
 from loraplex.layers.context import get_forward_context
 from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.layers.parallel import LinearShard, reduce_deferred
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import LoRABatch
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
@@ -81,33 +82,40 @@ class LoRALinear(nn.Module):
             return None
         return lora
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        """The block of e4m3 rows a W8A8 weight reads x in, in a step of `tokens` (0:
+        x unquantized): what the norm writing x writes beside it (x_fp8)."""
+        return ops.fp8_input_block([self.weight], tokens)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
+        """x_fp8: x's e4m3 rows (ops.linear), from the norm that wrote x."""
         batch = self.lora_batch()
         if batch is None:
-            y = ops.linear(x, self.weight, self.bias)
+            y = ops.linear(x, self.weight, self.bias, x_fp8)
         else:
             y = ops.lora_linear(x, self.weight, self.bias, self.lora.a, self.lora.b, self.output_sizes, batch,
-                                get_forward_context().aux_stream)
+                                get_forward_context().aux_stream, x_fp8)
             if batch.dora and self.lora.dora_scale is not None:
                 y = self._dora_rescale(y, batch.token_slot)
         if self.tp is not None and self.tp.reduces and not reduce_deferred():
             self.tp.group.all_reduce(y)  # partial sums, adapter deltas included
         return y
 
-    def base_and_shrink(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def base_and_shrink(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x W^T + bias, lora_shrink's buf of x) for a step with adapters, for a consumer
         op that adds the delta itself (lora_act_and_mul)."""
         ctx = get_forward_context()
         if ctx.aux_stream is None:
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
-            return ops.linear(x, self.weight, self.bias), buf
+            return ops.linear(x, self.weight, self.bias, x_fp8), buf
         # Shrink reads only x: run it beside the base matmul. The aux stream always starts
         # by waiting on the main one, so memory it frees is never reused early.
         main = torch.cuda.current_stream()
         ctx.aux_stream.wait_stream(main)
         with torch.cuda.stream(ctx.aux_stream):
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
-        y = ops.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias, x_fp8)
         main.wait_stream(ctx.aux_stream)
         return y, buf
 

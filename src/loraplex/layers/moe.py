@@ -17,6 +17,7 @@ from loraplex.layers.context import get_forward_context
 from loraplex.layers.linear import LoRALinear, weight_device
 from loraplex.layers.lora_weights import ExpertLoRAWeights
 from loraplex.layers.parallel import ExpertShard, reduce_deferred
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import MoELoRA
 
 
@@ -74,7 +75,12 @@ class SparseMoE(nn.Module):
                                                           False)
         self.activation, self.swiglu_limit = cfg.activation, cfg.swiglu_limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        """The block of e4m3 rows W8A8 experts read x in (LoRALinear.fp8_input_block; the
+        router reads x as it is)."""
+        return ops.fp8_input_block([self.experts.gate_up_proj], tokens)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         logits = getattr(self, self.router_name)(x)
         if self.routing[0] == "greedy":
             weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
@@ -88,7 +94,7 @@ class SparseMoE(nn.Module):
         # [T, top_k, H], unsummed: the next residual add + RMSNorm sums each token's rows.
         out = ops.fused_experts(x, weights, ids, e.gate_up_proj, e.down_proj, self.activation,
                                 e.gate_up_proj_bias, e.down_proj_bias, e.step_lora(), self.swiglu_limit,
-                                ctx.moe_stats, ctx.aux_stream, sum_topk=e.tp is not None)
+                                ctx.moe_stats, ctx.aux_stream, sum_topk=e.tp is not None, x_fp8=x_fp8)
         return out if e.tp is None or reduce_deferred() else e.tp.group.all_reduce(out)
 
     def warm_up(self, max_tokens: int) -> None:

@@ -15,6 +15,7 @@ from loraplex.layers.attention import PagedAttention
 from loraplex.layers.linear import LoRALinear
 from loraplex.layers.norm import RMSNorm
 from loraplex.layers.rotary import RotaryEmbedding
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import QKNorm
 
 
@@ -42,9 +43,12 @@ class SelfAttention(nn.Module):
         self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), False)
                       if cfg.attention_sinks else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        return self.qkv_proj.fp8_input_block(tokens)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x, x_fp8).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -72,13 +76,16 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = LoRALinear(size, [cfg.hidden_size], ["down_proj"], bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        return self.gate_up_proj.fp8_input_block(tokens)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj
         batch = gate_up.lora_batch()
         if batch is None or (batch.dora and gate_up.lora.dora_scale is not None):
-            return self.down_proj(self.act_and_mul(gate_up(x)))
+            return self.down_proj(self.act_and_mul(gate_up(x, x_fp8)))
         # The gate/up delta is added inside the activation, not into gate_up's output.
-        y, buf = gate_up.base_and_shrink(x)
+        y, buf = gate_up.base_and_shrink(x, x_fp8)
         return self.down_proj(ops.lora_act_and_mul(y, buf, gate_up.lora.b, batch, self.activation))
 
 
@@ -98,11 +105,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual):
         """Pre-norm block; the residual stream travels beside h so that each add fuses
-        into the next norm. residual None: h is the embedding (first layer)."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        into the next norm. residual None: h is the embedding (first layer). Where the
+        attention's or the MLP's first GEMMs are W8A8, the norm in front also writes the
+        e4m3 rows they read (h_fp8), in its own launch."""
+        t = h.shape[0]
+        h, residual, h_fp8 = self.input_layernorm.with_fp8(h, residual, self.self_attn.fp8_input_block(t))
+        h = self.self_attn(positions, h, h_fp8)
+        h, residual, h_fp8 = self.post_attention_layernorm.with_fp8(h, residual, self.mlp.fp8_input_block(t))
+        return self.mlp(h, h_fp8), residual

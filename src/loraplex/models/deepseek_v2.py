@@ -24,6 +24,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from loraplex import ops
 from loraplex.config import ModelConfig
 from loraplex.layers.context import forward_context, get_forward_context, side_stream
 from loraplex.layers.linear import LoRALinear
@@ -34,6 +35,7 @@ from loraplex.layers.parallel import partial_sums
 from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.blocks import DecoderLayer, GatedMLP
 from loraplex.models.dense import DenseCausalLM
+from loraplex.ops.formats import Fp8Rows
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their class default, whatever
 # rms_norm_eps says.
@@ -60,9 +62,12 @@ class LatentSelfAttention(nn.Module):
         self.rotary = rotary
         self.attn = LatentAttention(m, h)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        return self.qkv_a_proj.fp8_input_block(tokens)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         m, t = self.mla, x.shape[0]
-        q, kv_a = self.qkv_a_proj(x).split(self.qkv_a_proj.output_sizes, dim=-1)
+        q, kv_a = self.qkv_a_proj(x, x_fp8).split(self.qkv_a_proj.output_sizes, dim=-1)
         if m.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q_nope, q_pe = q.view(t, self.num_heads, -1).split((m.qk_nope_head_dim, m.qk_rope_head_dim), -1)
@@ -87,14 +92,19 @@ class SharedExpertsMoE(SparseMoE):
         super().__init__(cfg, router_name="gate")
         self.shared_experts = GatedMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fp8_input_block(self, tokens: int) -> int:
+        """Both branches read x: rows for them where they quantize it alike."""
+        weights = [self.experts.gate_up_proj, self.shared_experts.gate_up_proj.weight]
+        return ops.fp8_input_block(weights, tokens)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         ctx = get_forward_context()
         if self.experts.tp is not None:  # both branches' partial sums, one all-reduce
             with partial_sums():
-                out = super().forward(x) + self.shared_experts(x)
+                out = super().forward(x, x_fp8) + self.shared_experts(x, x_fp8)
             return self.experts.tp.group.all_reduce(out)
         if ctx.aux_stream is None:
-            routed, shared = super().forward(x), self.shared_experts(x)
+            routed, shared = super().forward(x, x_fp8), self.shared_experts(x, x_fp8)
         else:
             # Decode and short steps: the shared experts (a few small GEMMs and their LoRA
             # kernels, latency bound) run on a side stream beside the routed pipeline. The
@@ -104,8 +114,8 @@ class SharedExpertsMoE(SparseMoE):
             main, side = torch.cuda.current_stream(), side_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side), forward_context(replace(ctx, aux_stream=None)):
-                shared = self.shared_experts(x)
-            routed = super().forward(x)
+                shared = self.shared_experts(x, x_fp8)
+            routed = super().forward(x, x_fp8)
             main.wait_stream(side)
         return torch.cat((routed, shared.unsqueeze(1)), 1)  # [T, top_k + 1, H], unsummed
 

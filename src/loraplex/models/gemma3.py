@@ -32,14 +32,13 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, h, residual):
         """h + norm(attn(norm(h))), then the same with the MLP. The residual stream
-        travels beside h so that each add fuses into the next norm (see DecoderLayer)."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        travels beside h so that each add fuses into the next norm, and the norms in front
+        of W8A8 GEMMs write their e4m3 rows too (see DecoderLayer)."""
+        t = h.shape[0]
+        h, residual, h_fp8 = self.input_layernorm.with_fp8(h, residual, self.self_attn.fp8_input_block(t))
+        h = self.post_attention_layernorm(self.self_attn(positions, h, h_fp8))
+        h, residual, h_fp8 = self.pre_feedforward_layernorm.with_fp8(h, residual, self.mlp.fp8_input_block(t))
+        return self.post_feedforward_layernorm(self.mlp(h, h_fp8)), residual
 
 
 class Gemma3CausalLM(DenseCausalLM):

@@ -16,8 +16,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats import Fp8Rows, QuantizedWeight
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, MLALoRA, MoELoRA, QKNorm
+from loraplex.ops.reference.quant import w8a8
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
 _impl: ModuleType = importlib.import_module(_BACKENDS["torch"])
@@ -62,14 +63,25 @@ def backend_name() -> str:
 Weight = torch.Tensor | QuantizedWeight
 
 
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+           x_fp8: Fp8Rows | None = None) -> torch.Tensor:
     """Semantics: x @ W.T + bias, W [N, K] a tensor or a quantized weight read as
     dequantize(W) (ops/formats): activations are not quantized, except for a W8A8
     Fp8Weight (act_block: x quantized per token first, e4m3 products summed in float32,
-    ops.reference.quant.linear). x [T, K] -> [T, N]."""
+    ops.reference.quant.linear). x [T, K] -> [T, N]. x_fp8 (optional): x's e4m3 rows,
+    quantize_activations(x, act_block), where the op that wrote x wrote them too: a
+    backend may read them instead of quantizing x again. No effect on the result."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
-    return _impl.quant_linear(x, weight, bias)
+    return _impl.quant_linear(x, weight, bias, x_fp8)
+
+
+def fp8_input_block(weights: list[Weight], tokens: int) -> int:
+    """The act_block with which every W8A8 weight of `weights` (GEMMs reading one input)
+    quantizes that input in a step of `tokens`, or 0 where any reads it unquantized or
+    their blocks differ: the fp8_block for the norm that writes the input (rms_norm)."""
+    blocks = {w.act_block if w8a8(w, tokens) else 0 for w in weights}
+    return blocks.pop() if len(blocks) == 1 else 0
 
 
 def dequantize(weight: QuantizedWeight) -> torch.Tensor:
@@ -119,13 +131,15 @@ def lora_linear(
     slice_sizes: tuple[int, ...],
     batch: LoRABatch,
     side_stream: torch.cuda.Stream | None = None,
+    x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """Semantics: linear(x, weight, bias) plus each token's adapter delta,
     lora_expand(lora_shrink(x, lora_a, batch), lora_b, .., slice_sizes, batch): an adapted
     projection's whole step, so a backend may fuse the delta into the base matmul.
     side_stream (CUDA, optional): a stream the shrink may run on beside the base matmul
-    (it must not be in use elsewhere during the call). x [T, K] -> [T, N] in x's dtype."""
-    return _impl.lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream)
+    (it must not be in use elsewhere during the call). x_fp8: as in linear (the
+    adapters read x). x [T, K] -> [T, N] in x's dtype."""
+    return _impl.lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream, x_fp8)
 
 
 def lora_act_and_mul(
@@ -295,26 +309,30 @@ def mla_attention(
     return _impl.mla_attention(q_nope, q_pe, cache, w_uk, w_uv, batch, scale, lora)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+             fp8_block: int = 0):
     """Semantics: weight * (x / sqrt(mean(x^2, -1) + eps)) over the last dim, in float32.
 
     x [..., N]: rows may be a strided view such as the heads of a [T, H, D] projection.
     unit_offset (Gemma): the scale is (1 + weight), applied before rounding to x's dtype;
     otherwise (Llama) the normalised row is rounded first, then scaled.
+    fp8_block (a power of 2; x [T, N]): returns (y, Fp8Rows(*quantize_activations(y,
+    fp8_block))), the rows a W8A8 GEMM reading y multiplies (ops.linear's x_fp8).
     """
-    return _impl.rms_norm(x, weight, eps, unit_offset)
+    return _impl.rms_norm(x, weight, eps, unit_offset, fp8_block)
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    unit_offset: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, ...), r).
+    unit_offset: bool = False, fp8_block: int = 0,
+):
+    """Semantics: r = x + residual (in x's dtype); return (rms_norm(r, ...), r), and with
+    fp8_block (y, r, y's Fp8Rows) as rms_norm gives them.
 
     x [T, N], or [T, K, N]: each token's K rows are summed first (float32, rounded to x's
     dtype), as a MoE block's unsummed expert outputs (fused_experts, sum_topk=False) are.
     """
-    return _impl.add_rms_norm(x, residual, weight, eps, unit_offset)
+    return _impl.add_rms_norm(x, residual, weight, eps, unit_offset, fp8_block)
 
 
 RMS_NORM_MODES = ("llama", "fp32_weight", "unit_offset")
@@ -407,6 +425,7 @@ def fused_experts(
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
     sum_topk: bool = True,
+    x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_j w[t, j] * down_e(act(gate_up_e(x[t]))), e = ids[t, j].
 
@@ -421,13 +440,14 @@ def fused_experts(
     added to it, on the device, without a launch of its own where the backend can.
     side_stream (CUDA, optional): a stream the backend may run work on beside the current
     one (the gate/up adapter deltas beside the expert alignment); it must not be in use
-    elsewhere during the call. No effect on any result.
+    elsewhere during the call. No effect on any result. x_fp8: x's e4m3 rows for W8A8
+    gate/up experts, as in linear (no effect on the result).
     Returns [T, H] in x's dtype; sum_topk=False: [T, top_k, H], the terms of the sum
     (each rounded to x's dtype), for a later op to add (add_rms_norm does).
     """
     return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
                                b_gate_up, b_down, lora, swiglu_limit, routing_stats, side_stream,
-                               sum_topk)
+                               sum_topk, x_fp8)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

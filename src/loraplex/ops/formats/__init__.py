@@ -25,6 +25,8 @@ nibble and k = 2j + 1 in its high one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -73,6 +75,16 @@ class Fp8Weight(QuantizedWeight):
         self.register_buffer("data", torch.empty(shape, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("scale", torch.empty(*lead, n, -(-k // block_k), dtype=torch.float32,
                                                   device=device))
+
+
+class Fp8Rows(NamedTuple):
+    """Activations x [T, K] as a W8A8 Fp8Weight of act_block `block` reads them:
+    quantize_activations(x, block) (ops/reference/quant.py): q [T, K] e4m3 and scale
+    [T, ceil(K / block)] float32. Written by the op that writes x (ops.rms_norm's
+    fp8_block) and passed beside x, so the GEMMs reading x do not quantize it again."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
 
 
 class Int4Weight(QuantizedWeight):

@@ -6,13 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.ops.formats import Fp8Rows
+from loraplex.ops.reference.quant import quantize_activations
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+             fp8_block: int = 0):
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:  # Gemma: scale by (1 + w) in float32, then round
-        return (h * (1.0 + weight.float())).to(x.dtype)
-    return weight * h.to(x.dtype)  # Llama: round, then scale
+        y = (h * (1.0 + weight.float())).to(x.dtype)
+    else:
+        y = weight * h.to(x.dtype)  # Llama: round, then scale
+    return (y, Fp8Rows(*quantize_activations(y, fp8_block))) if fp8_block else y
 
 
 def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str):
@@ -41,11 +47,14 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weig
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    unit_offset: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    unit_offset: bool = False, fp8_block: int = 0,
+):
     if x.dim() == 3:  # a MoE block's unsummed expert outputs
         x = x.float().sum(1).to(x.dtype)
     residual = x + residual
+    if fp8_block:
+        y, rows = rms_norm(residual, weight, eps, unit_offset, fp8_block)
+        return y, residual, rows
     return rms_norm(residual, weight, eps, unit_offset), residual
 
 

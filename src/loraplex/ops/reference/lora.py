@@ -54,7 +54,8 @@ def lora_act_and_mul(
     return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None) -> torch.Tensor:
+def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None,
+                x_fp8=None) -> torch.Tensor:
     y = quant_linear(x, weight, bias) if isinstance(weight, QuantizedWeight) else F.linear(x, weight, bias)
     lora_expand(lora_shrink(x, lora_a, batch), lora_b, y, slice_sizes, batch)
     return y

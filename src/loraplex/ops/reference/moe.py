@@ -51,9 +51,11 @@ def fused_experts(
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
     sum_topk: bool = True,
+    x_fp8=None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts. Per expert, its (token, k) pairs in one matmul;
-    the adapter delta per (slot, expert) group of those pairs. One stream."""
+    the adapter delta per (slot, expert) group of those pairs. One stream; x quantized
+    here, from x (x_fp8, the same rows, is for kernels)."""
     # W8A8 experts (in steps of act_min_tokens or more): each GEMM's input quantized per row
     # (x, then h), e4m3 products in float32.
     t, k = topk_ids.shape

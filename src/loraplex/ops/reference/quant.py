@@ -42,7 +42,9 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
 
 
-def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, x_fp8=None) -> torch.Tensor:
+    """ops.linear of a quantized weight (W8A8: x quantized here, from x; x_fp8, the same
+    rows, is for kernels)."""
     if w8a8(w, x.numel() // max(x.shape[-1], 1)):  # e4m3 products, float32 sums, rounded once
         bias = None if bias is None else bias.float()
         return F.linear(dequantized_activations(x, w.act_block), fp8_values(w), bias).to(x.dtype)

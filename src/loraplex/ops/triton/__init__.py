@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops import reference
-from loraplex.ops.formats import Fp8Weight, Int4Weight, QuantizedWeight
+from loraplex.ops.formats import Fp8Rows, Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
@@ -76,16 +76,17 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
     return _dequantize(w)
 
 
-def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None,
+                 x_fp8: Fp8Rows | None = None) -> torch.Tensor:
     """ops.linear of a quantized weight: one kernel per format (ops/formats)."""
     if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w, bias)
+        return fp8_linear(x, w, bias, x_fp8=x_fp8)
     if isinstance(w, Int4Weight):
         return int4_linear(x, w, bias)
     return reference.quant_linear(x, w, bias)
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None):
+def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None, x_fp8=None):
     """The shrink first (beside the base matmul on side_stream: it reads only x), then the
     base matmul and the expand: in one kernel where the base matmul ends in a kernel of
     its own (int4 and FP8 GEMMs whose config splits K: the split-K sum), else
@@ -107,8 +108,12 @@ def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream
     if isinstance(weight, Int4Weight) and int4_fuses_expand(x, weight):
         return int4_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))
     if isinstance(weight, Fp8Weight) and fp8_fuses_expand(x, weight):
-        return fp8_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))
-    y = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else quant_linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined),
+                          x_fp8=x_fp8)
+    if isinstance(weight, torch.Tensor):
+        y = F.linear(x, weight, bias)
+    else:
+        y = quant_linear(x, weight, bias, x_fp8)
     joined()
     lora_expand(buf, lora_b, y, slice_sizes, batch)
     return y

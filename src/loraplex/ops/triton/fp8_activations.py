@@ -26,13 +26,15 @@ def e4m3_rounded(v):
     """float32 v, |v| <= 448, rounded to the nearest e4m3fn value (even on ties), as
     float32: by hand, for the interpreter, whose float32 -> fp8 cast does not round so
     (the GPU's cvt.rn does). Normal values keep 3 mantissa bits; below 2^-6 the step is
-    2^-9, which adding and taking away 2^14 (float32 ulp 2^-9) rounds to."""
+    2^-9, which adding and taking away 2^14 (float32 ulp 2^-9) rounds to. The sign is
+    v's sign bit (so -0 stays -0, as the GPU's conversion keeps it)."""
     a = tl.abs(v)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     subnormal = (a + 16384.0) - 16384.0
     r = tl.where(a >= 0.015625, normal, subnormal)
-    return tl.where(v < 0, -r, r)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 _MIN_AMAX = tl.constexpr(ACT_MIN_AMAX)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from loraplex.ops.formats import Fp8Weight
+from loraplex.ops.formats import Fp8Rows, Fp8Weight
 from loraplex.ops.reference.quant import linear as reference_linear
 from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
@@ -193,10 +193,12 @@ def fp8_fuses_expand(x: torch.Tensor, w: Fp8Weight) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-               cfg: dict | None = None, lora: FusedExpand | None = None) -> torch.Tensor:
+               cfg: dict | None = None, lora: FusedExpand | None = None,
+               x_fp8: Fp8Rows | None = None) -> torch.Tensor:
     """ops.linear(x, w, bias) for an Fp8Weight w [N, K]: x [..., K] -> [..., N] in x's
     dtype. `cfg` (fp8_configs.KEYS) overrides the tuned or default config. `lora`: its
-    expand added in the split-K sum (the config must split K: fp8_fuses_expand)."""
+    expand added in the split-K sum (the config must split K: fp8_fuses_expand).
+    x_fp8: x's e4m3 rows (x [T, K]), read in W8A8 steps in place of quantizing x."""
     n, k = w.shape
     assert w.data.dim() == 2 and x.shape[-1] == k, (x.shape, w.shape)
     assert x.dtype in _DTYPES and w.dtype in _DTYPES, (x.dtype, w.dtype)
@@ -225,7 +227,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     if a8:  # e4m3 rows and their scales; a K step inside one block of each
         assert bm >= MIN_DOT_M and w.act_block == w.block_k, (cfg, w.act_block, w.block_k)
         bk = min(bk, w.act_block)
-    xq, xs = quantize_activations(x2, w.act_block) if a8 else (x2, scale)
+    if a8 and x_fp8 is not None:
+        assert x_fp8.q.shape == x2.shape and x_fp8.scale.shape == (t, triton.cdiv(k, w.act_block)), (
+            x_fp8.q.shape, x_fp8.scale.shape, w.act_block)
+        xq, xs = x_fp8
+    else:
+        xq, xs = quantize_activations(x2, w.act_block) if a8 else (x2, scale)
     dest = y if split_k == 1 else torch.empty(split_k, t, n, dtype=torch.float32, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
     grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn), split_k)

@@ -24,8 +24,9 @@ just before its GEMM and run the bf16 grouped GEMM on it (one stack at a time:
 gpt-oss-20b's gate/up is 1 GB). W8A8 experts (Fp8Weight with act_block) take the
 grouped GEMM in every step where they quantize their activations
 (all, or from act_min_tokens on: `--fp8-activations prefill`), each GEMM's input (x,
-then h) quantized to e4m3 rows first (fp8_activations.py); the adapters read them
-unquantized. Smaller steps read them as weight-only experts.
+then h) quantized to e4m3 rows first (fp8_activations.py; x's come from the norm that
+wrote x where the model passes them: x_fp8); the adapters read them unquantized.
+Smaller steps read them as weight-only experts.
 The expert LoRA kernels are the same for every weight format. (Int4Weight experts, which no kernel reads yet,
 are dequantized on each call.)
 Every launch reads only device tensors and its grid depends on shapes only (no host
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.ops.formats import QuantizedWeight
+from loraplex.ops.formats import Fp8Rows, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize, w8a8
 from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
@@ -82,18 +83,22 @@ def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
     return "gemv" if gemv else "gemm"
 
 
-def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, **epilogue) -> None:
+def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, a_fp8=None, **epilogue) -> None:
     """One of fused_experts' two GEMMs, for w's format; align None: the GEMV form (lora_b:
     the delta given as shrunk rows, which the GEMV expands). W8A8 weights, in steps where
     they quantize their activations, quantize `a` first (its rows, once for all their
-    pairs); quantized weights in steps that read them dequantized are written out first
-    (cfg is then a bf16 config: moe_configs.weight_format)."""
+    pairs), unless the op that wrote `a` gave its rows (a_fp8); quantized weights in
+    steps that read them dequantized are written out first (cfg is then a bf16 config:
+    moe_configs.weight_format)."""
     if align is None:
         moe_gemv_quant(a, w, bias, out, topk_ids, row_div, lora_b=lora_b, **epilogue)
     elif dequantized(w, *topk_ids.shape):
         moe_gemm(a, dequantize_kernel(w), bias, out, align, cfg, row_div, **epilogue)
     elif w8a8(w, topk_ids.shape[0]):
-        a_q, a_scale = quantize_activations(a, w.act_block)
+        if a_fp8 is not None:
+            groups = -(-a.shape[1] // w.act_block)
+            assert a_fp8.q.shape == a.shape and a_fp8.scale.shape == (a.shape[0], groups), a_fp8.scale.shape
+        a_q, a_scale = a_fp8 if a_fp8 is not None else quantize_activations(a, w.act_block)
         moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, **epilogue)
     else:
         gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm
@@ -114,6 +119,7 @@ def fused_experts(
     routing_stats: torch.Tensor | None = None,
     side_stream: torch.cuda.Stream | None = None,
     sum_topk: bool = True,
+    x_fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.fused_experts."""
     w_gate_up, w_down = (dequantize(w) if isinstance(w, QuantizedWeight) and not isinstance(w, KERNEL_FORMATS)
@@ -180,7 +186,7 @@ def fused_experts(
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
                  limit=limit, delta=delta_gu, lora=lora, top_k=top_k,
-                 lora_b=lora.b_gate_up if gemv_expands else None)
+                 lora_b=lora.b_gate_up if gemv_expands else None, a_fp8=x_fp8)
     if lora is not None:
         delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)

@@ -7,6 +7,9 @@ Face's Llama RMSNorm, or (UNIT_OFFSET, Gemma) scaled by 1 + weight in float32 an
 rounded. Rows may be (token, head) pairs of a strided [T, H, D] view (q/k norm). With a
 residual, x may be [T, K, N]: a MoE block's K expert outputs per token, summed here (one
 launch and one pass over them less than a separate sum).
+With FP8_BLOCK (a W8A8 GEMM reads the output: ops/formats Fp8Rows), the program also
+writes its row's e4m3 values and per-block scales (fp8_activations.e4m3_rows, bit for bit
+quantize_activations of the rounded row): the GEMM's own quantization launch, gone.
 
 Training (train/norms.py, a frozen weight): `rms_norm_train` also writes each row's
 float32 rstd, in one of transformers' three roundings (ops.rms_norm_train), and
@@ -20,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.formats import Fp8Rows
+from loraplex.ops.triton.fp8_activations import e4m3_rows
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
 from loraplex.ops.triton.quant_tiles import operand
@@ -37,11 +42,12 @@ def scale_normed(x, w, dtype, UNIT_OFFSET: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, s_ptr,
     N, eps,
-    stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
+    stride_x0, stride_x1, stride_r0, stride_o0, stride_o1, stride_q0, stride_s0,
     INNER: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    SUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
+    SUM_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, FP8_BLOCK: tl.constexpr, HAND_ROUND: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -63,12 +69,18 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = scale_normed(x * rstd, w, dtype, UNIT_OFFSET)
-    tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y.to(dtype), mask=mask)
+    y = scale_normed(x * rstd, w, dtype, UNIT_OFFSET).to(dtype)
+    tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y, mask=mask)
+    if FP8_BLOCK > 0:  # the rounded row as [blocks, FP8_BLOCK] (padding columns are 0)
+        v, scale = e4m3_rows(tl.reshape(y.to(tl.float32), (BLOCK_N // FP8_BLOCK, FP8_BLOCK)), HAND_ROUND)
+        tl.store(q_ptr + row * stride_q0 + offs, tl.reshape(v, (BLOCK_N,)).to(q_ptr.dtype.element_ty),
+                 mask=mask)
+        groups = tl.arange(0, BLOCK_N // FP8_BLOCK)
+        tl.store(s_ptr + row * stride_s0 + groups, scale, mask=groups * FP8_BLOCK < N)
 
 
 
-def _launch(x, residual, weight, eps, unit_offset):
+def _launch(x, residual, weight, eps, unit_offset, fp8_block=0):
     n = x.shape[-1]
     assert x.stride(-1) == 1 and weight.shape == (n,), (x.stride(), weight.shape)
     x3 = x if x.dim() == 3 else x.unsqueeze(1)  # [outer, inner, N]
@@ -80,30 +92,43 @@ def _launch(x, residual, weight, eps, unit_offset):
     if residual is not None:
         assert residual.shape == (x3.shape[0], n) and residual.stride(-1) == 1, (x.shape, residual.shape)
     rows = out_shape[0] * out_shape[1]
-    _rms_norm_kernel[(rows,)](
-        x3, residual if residual is not None else x3, weight, out,
-        res_out if res_out is not None else out,
-        n, eps,
-        x3.stride(0), x3.stride(1),
-        residual.stride(0) if residual is not None else 0,
-        out.stride(0), out.stride(1),
-        INNER=out_shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
-        SUM_ROWS=sum_rows, BLOCK_N=triton.next_power_of_2(n),
-        num_warps=4 if n <= 4096 else 8,
-        **pdl(),
-    )
-    return out.view(x.shape if residual is None else residual.shape), res_out
+    block_n = triton.next_power_of_2(n)
+    fp8 = None
+    if fp8_block:  # rows of a [T, N] output, blocks of a power of 2 that tile BLOCK_N
+        assert out_shape[1] == 1 and fp8_block & (fp8_block - 1) == 0 and fp8_block <= block_n, (
+            x.shape, fp8_block)
+        fp8 = Fp8Rows(torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device),
+                      torch.empty(rows, triton.cdiv(n, fp8_block), dtype=torch.float32, device=x.device))
+    if rows:
+        _rms_norm_kernel[(rows,)](
+            x3, residual if residual is not None else x3, weight, out,
+            res_out if res_out is not None else out,
+            fp8.q if fp8 else out, fp8.scale if fp8 else out,
+            n, eps,
+            x3.stride(0), x3.stride(1),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0), out.stride(1),
+            fp8.q.stride(0) if fp8 else 0, fp8.scale.stride(0) if fp8 else 0,
+            INNER=out_shape[1], HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
+            SUM_ROWS=sum_rows, BLOCK_N=block_n, FP8_BLOCK=fp8_block, HAND_ROUND=INTERPRETED,
+            num_warps=4 if n <= 4096 else 8,
+            **pdl(),
+        )
+    return out.view(x.shape if residual is None else residual.shape), res_out, fp8
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False):
-    return _launch(x, None, weight, eps, unit_offset)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+             fp8_block: int = 0):
+    out, _, fp8 = _launch(x, None, weight, eps, unit_offset, fp8_block)
+    return (out, fp8) if fp8_block else out
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    unit_offset: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(x, residual, weight, eps, unit_offset)
+    unit_offset: bool = False, fp8_block: int = 0,
+):
+    out, res_out, fp8 = _launch(x, residual, weight, eps, unit_offset, fp8_block)
+    return (out, res_out, fp8) if fp8_block else (out, res_out)
 
 
 # Training (LoRA over a frozen base; train/norms.py): the forward also writes each row's
