@@ -147,6 +147,13 @@ def kernels() -> dict:
         N=h, eps=1e-6, stride_x0=h, stride_x1=h, stride_r0=h, stride_o0=h, stride_o1=h, stride_q0=h,
         stride_s0=16, INNER=const(1), HAS_RESIDUAL=const(True), UNIT_OFFSET=const(False), SUM_ROWS=const(8),
         BLOCK_N=const(h), FP8_BLOCK=const(128), HAND_ROUND=const(False)))
+    # The split-KV merge in front of a W8A8 o_proj (Qwen3-30B-A3B: 32 heads of 128, 4 splits).
+    out["decode_merge_fp8"] = compile_ptx(mod("paged_decode")._decode_merge_kernel, dict(
+        acc_ptr=f32, max_ptr=f32, sum_ptr=f32, out_ptr=bf, sinks_ptr=bf, seq_lens_ptr=i32,
+        query_start_loc_ptr=i32, q8_ptr="*fp8e4nv", s8_ptr=f32, window=0, splits=4, num_heads=32,
+        stride_ot=4096, stride_oh=128, stride_od=1, QUERY_LEN=const(1), HEAD_DIM=const(128),
+        BLOCK_D=const(128), BLOCK_S=const(4), PARTITION=const(256), BLOCK_N=const(128),
+        USE_WINDOW=const(False), USE_SINKS=const(False), FP8=const(True)), num_warps=1)
     return {name: widths(ptx) for name, ptx in out.items()}
 
 

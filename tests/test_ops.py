@@ -12,6 +12,7 @@ from conftest import DEVICE
 from loraplex import ops
 from loraplex.ops import reference
 from loraplex.ops.metadata import AttentionBatch, LoRABatch, QKNorm, make_lora_batch
+from loraplex.ops.reference.quant import quantize_activations
 from loraplex.ops.triton.precision import INTERPRETED
 
 BACKENDS = ["torch", "triton"]
@@ -260,6 +261,24 @@ def test_paged_decode_split(backend, monkeypatch, group, head_dim, window, max_s
     assert splits == min(max_splits, math.ceil(min(30 * 4, (window or 999) + 15) / 16)) > 1
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "single-pass"])
+@pytest.mark.parametrize("head_dim,fp8_block", [(64, 64), (32, 64)], ids=["heads", "other-blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_attention_writes_the_rows_a_w8a8_o_proj_reads(backend, monkeypatch, split, head_dim, fp8_block,
+                                                       dtype):
+    """In front of a W8A8 o_proj attention returns its output's e4m3 rows too: written by
+    the split-KV merge where the activation blocks are heads, else quantized after; the
+    same rows either way."""
+    from loraplex.ops.triton import paged_decode
+
+    if split:
+        monkeypatch.setattr(paged_decode, "PARTITION_SIZE", 16)
+    seqs = [(4, 1), (15, 1), (0, 1), (70, 1), (31, 1), None]
+    batch = check_paged_attention(seqs, None, dtype, num_heads=8, num_kv=2, head_dim=head_dim,
+                                  table_width=30 if split else None, fp8_block=fp8_block)
+    assert (paged_decode.num_splits(batch, 4, 2, None) > 1) == split
+
+
 # Short chunks (decodes, verified proposals), padding after them: one-token sequences of no
 # context (a CUDA graph's) and an empty sequence.
 SHORT_CHUNKS = [(4, 5), (15, 1), (0, 3), (70, 5), (31, 2), (47, 8), (11, 4), None, None, (None, 0)]
@@ -287,12 +306,14 @@ def test_paged_attention_short_chunks(backend, monkeypatch, split, group, head_d
 
 
 def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, block_size=4,
-                          table_width=None, sinks=False) -> AttentionBatch:
+                          table_width=None, sinks=False, fp8_block=0) -> AttentionBatch:
     """Write each sequence's new keys/values into scattered pages, run paged_attention,
     compare every sequence with the naive loop. seqs: (cached tokens, new tokens);
     padding of a CUDA graph: None (a decode graph's: one token, no context, no KV slot)
     or (None, n) (a mixed-step graph's: n tokens, no context, no KV slots). sinks:
-    random per-head sink logits (gpt-oss), large enough to take much of each softmax."""
+    random per-head sink logits (gpt-oss), large enough to take much of each softmax.
+    fp8_block: also the output's e4m3 rows (a W8A8 o_proj's), quantize_activations of the
+    output bit for bit, the output as without them."""
     seqs = [(None, 1) if s is None else s for s in seqs]
     gen = torch.Generator().manual_seed(0)
     num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs if c is not None) + 3
@@ -333,6 +354,13 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
     scale = head_dim**-0.5
     out = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window,
                               None if sink is None else sink.to(**dev)).cpu()
+    if fp8_block:
+        again, rows = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window,
+                                          None if sink is None else sink.to(**dev), fp8_block)
+        assert torch.equal(again.cpu(), out)
+        want_q, want_scale = quantize_activations(out.reshape(num_tokens, -1), fp8_block)
+        assert torch.equal(rows.q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(rows.scale.cpu(), want_scale)
 
     flat_k = kc.cpu().view(-1, num_kv, head_dim)
     flat_v = vc.cpu().view(-1, num_kv, head_dim)

@@ -8,6 +8,8 @@ whose linear layers quantize their inputs alike (quantized.quantize_linear_input
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections import Counter
 
 import pytest
 import torch
@@ -124,33 +126,39 @@ def test_norm_writes_the_rows_the_w8a8_gemm_reads(n, block, form):
             assert torch.equal(rows.scale.cpu(), want_scale), backend
 
 
-def test_w8a8_layers_read_the_norms_rows(tmp_path, monkeypatch):
-    """Served W8A8 (Triton ops), the norms in front of q/k/v and the experts write the
-    e4m3 rows those GEMMs read: two quantization launches a layer (o_proj's input and
-    the experts' h) instead of four, and the same logprobs as with every GEMM
-    quantizing its own input."""
-    from loraplex.ops.triton import fp8_gemm, fused_moe
+def test_w8a8_layers_read_rows_written_beside_their_inputs(tmp_path, monkeypatch):
+    """Served W8A8 (Triton ops), the kernels that write a W8A8 GEMM's input write its
+    e4m3 rows too: the norms in front of q/k/v and the experts, the split-KV attention's
+    merge in front of o_proj (decode steps; 16-key partitions so that these split). Left:
+    the experts' h and o_proj's input in prompt steps. The same logprobs as with every
+    GEMM quantizing its own input."""
+    from loraplex.ops.triton import fp8_gemm, fused_moe, paged_decode
 
+    attention = importlib.import_module("loraplex.ops.triton.paged_attention")  # the module, not the op
+    monkeypatch.setattr(paged_decode, "PARTITION_SIZE", 16)
     src = write_tiny_qwen3_moe(tmp_path / "moe")
     quantized, _ = write_fp8_block(src, tmp_path, (16, 32))
-    llm = make_llm(quantized, fp8_activations="dynamic", ops_backend="triton")
-    prompts = random_prompts(2, (5, 12), seed=7)
-    calls = []
+    # Eager steps, so that every launch goes through the Python wrappers counted here.
+    llm = make_llm(quantized, fp8_activations="dynamic", ops_backend="triton", enforce_eager=True)
+    prompts = random_prompts(2, (20, 30), seed=7)  # contexts of two 16-token pages: 2 splits
+    widths = Counter()
 
     def counted(quantize):
         def run(x, block):
-            calls.append(tuple(x.shape))
+            widths[x.shape[1]] += 1
             return quantize(x, block)
         return run
-    monkeypatch.setattr(fp8_gemm, "quantize_activations", counted(fp8_gemm.quantize_activations))
-    monkeypatch.setattr(fused_moe, "quantize_activations", counted(fused_moe.quantize_activations))
+    for module in (fp8_gemm, fused_moe, attention):
+        monkeypatch.setattr(module, "quantize_activations", counted(module.quantize_activations))
     fused = llm.generate(prompts, PROMPT_SCORING, use_tqdm=False)
-    steps = len(calls)
-    layers = len(llm.engine.runner.model.model.layers)
+    got, widths = widths, Counter()
     monkeypatch.setattr(ops, "fp8_input_block", lambda weights, tokens: 0)
-    calls.clear()
     unfused = llm.generate(prompts, PROMPT_SCORING, use_tqdm=False)
-    assert steps > 0 and len(calls) == 2 * steps and steps % (2 * layers) == 0
+    layer = llm.engine.runner.model.model.layers[0]
+    hidden, o_in = layer.self_attn.qkv_proj.in_features, layer.self_attn.o_proj.in_features
+    h = layer.mlp.experts.intermediate_size
+    assert set(widths) == {hidden, o_in, h} and widths[hidden] == 2 * widths[h] > 0
+    assert hidden not in got and got[h] == widths[h] and 0 < got[o_in] < widths[o_in]
     for a, b in zip(fused, unfused):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.prompt_logprobs == b.prompt_logprobs

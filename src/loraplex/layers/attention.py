@@ -7,6 +7,7 @@ from torch import nn
 
 from loraplex import ops
 from loraplex.layers.context import get_forward_context
+from loraplex.ops.formats import Fp8Rows
 
 
 class PagedAttention(nn.Module):
@@ -26,10 +27,13 @@ class PagedAttention(nn.Module):
         return {"k_cache": (self.num_kv_heads, self.head_dim), "v_cache": (self.num_kv_heads, self.head_dim)}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; sinks [Hq]: see ops.paged_attention."""
+                sinks: torch.Tensor | None = None, fp8_block: int = 0
+                ) -> tuple[torch.Tensor, Fp8Rows | None]:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], its e4m3 rows [T, Hq * D] in
+        blocks of fp8_block for a W8A8 o_proj, None where 0); sinks [Hq]: see
+        ops.paged_attention."""
         attn = get_forward_context().attn
         ops.write_kv_cache(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
-        return ops.paged_attention(
-            q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window, sinks
-        )
+        out = ops.paged_attention(q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window, sinks,
+                                  fp8_block)
+        return out if fp8_block else (out, None)

@@ -56,8 +56,8 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):  # applied by the rotary op, in its launch
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
         q, k = self.rotary(positions, q, k, qk_norm)
-        o = self.attn(q, k, v, self.sinks)
-        return self.o_proj(o.reshape(t, -1))
+        o, o_fp8 = self.attn(q, k, v, self.sinks, self.o_proj.fp8_input_block(t))
+        return self.o_proj(o.reshape(t, -1), o_fp8)
 
 
 class GatedMLP(nn.Module):

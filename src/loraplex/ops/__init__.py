@@ -265,7 +265,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_block: int = 0,
+):
     """Semantics: out[t] = softmax(scale * q[t] @ K_b.T + mask) @ V_b for t in seq b.
 
     q [T, Hq, D] (Hq a multiple of Hkv: grouped-query attention); K_b, V_b are seq b's
@@ -275,9 +276,10 @@ def paged_attention(
     float32: head h's softmax gets one more logit, sinks[h], with no value (it only adds
     exp(sinks[h]) to the denominator, so a row's weights sum to less than 1). A row with
     no visible key (padding: seq_lens[b] = 0, or less than the query) is zero.
-    Returns [T, Hq, D].
+    Returns [T, Hq, D]; with fp8_block, (out, Fp8Rows(*quantize_activations(out [T, Hq * D],
+    fp8_block))): the rows a W8A8 o_proj reads (ops.linear's x_fp8).
     """
-    return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
+    return _impl.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks, fp8_block)
 
 
 def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import AttentionBatch
+from loraplex.ops.reference.quant import quantize_activations
 
 
 def write_kv_cache(
@@ -30,7 +32,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_block: int = 0,
+):
+    out = _paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
+    if not fp8_block:
+        return out
+    return out, Fp8Rows(*quantize_activations(out.reshape(out.shape[0], -1), fp8_block))
+
+
+def _paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     qsl = batch.query_start_loc_cpu

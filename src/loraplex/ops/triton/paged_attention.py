@@ -10,7 +10,8 @@ already in the cache (write_kv_cache runs first): a chunk appended to a cached p
 and a single decode token are the same case. Steps of short chunks (decodes, verified
 speculation: at most SHORT_QUERY_MAX tokens a sequence) give each sequence one tile; where
 their contexts may span several partitions they go to the split-KV kernels of
-paged_decode.py instead, which spread each context over several programs.
+paged_decode.py instead, which spread each context over several programs (and, in front
+of a W8A8 o_proj, write the output's e4m3 rows in their merge: fp8_block).
 
 Steps with longer chunks number their (sequence, query block) tiles sequence after
 sequence, and each program finds its own from query_start_loc on the device
@@ -29,8 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
+from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.paged_decode import num_splits, paged_decode
 from loraplex.ops.triton.precision import dot_settings
@@ -145,15 +148,34 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
+    fp8_block: int = 0,
+):
+    """See loraplex.ops.paged_attention. fp8_block: the output's e4m3 rows too, written by
+    the split-KV merge where the blocks are heads (decode steps), else quantized after."""
+    num_tokens, num_heads, head_dim = q.shape
+    short = batch.max_query_len <= SHORT_QUERY_MAX
+    splits = num_splits(batch, k_cache.shape[1], k_cache.shape[2], sliding_window) if short else 1
+    if splits > 1:  # split long contexts over programs (host-known bound)
+        fused = None
+        if fp8_block == head_dim:
+            fused = Fp8Rows(torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float8_e4m3fn,
+                                        device=q.device),
+                            torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device))
+        out = paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks, fused)
+    else:
+        out = _attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
+        fused = None
+    if not fp8_block:
+        return out
+    return out, fused or Fp8Rows(*quantize_activations(out.view(num_tokens, -1), fp8_block))
+
+
+def _attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks) -> torch.Tensor:
+    """The single-pass kernel: one program per (query tile, KV head)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     short = batch.max_query_len <= SHORT_QUERY_MAX
-    if short:  # split long contexts over programs (host-known bound)
-        splits = num_splits(batch, page, num_kv_heads, sliding_window)
-        if splits > 1:
-            return paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks)
     out = torch.empty_like(q)
     cfg = attention_config(batch.max_query_len, group, triton.next_power_of_2(head_dim) * q.element_size(),
                            windowed=sliding_window is not None)

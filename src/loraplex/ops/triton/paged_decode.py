@@ -21,7 +21,9 @@ max_model_len), the window, and the batch size; both kernels derive each sequenc
 spans from seq_lens on the device, so programs past a context exit at once and the merge
 reads only partials that were written. Scratch is one grow-only buffer per device.
 Attention sinks (gpt-oss) join in the merge, once per head: one more partial with max
-sinks[head], sum 1 and no output.
+sinks[head], sum 1 and no output. In front of a W8A8 o_proj whose activation blocks are
+heads (act_block == head_dim), the merge also writes each (token, head)'s e4m3 row and
+scale (Fp8Rows of o [T, Hq * D]): o_proj's quantization launch, gone.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import SHORT_QUERY_MAX, AttentionBatch
 from loraplex.ops.triton.attention_common import attend_tile
+from loraplex.ops.triton.fp8_activations import e4m3_rows
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
-from loraplex.ops.triton.precision import dot_settings
+from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 
 # Keys per partition: a split covers whole partitions of its sequence's context, so a
 # 600-token context splits at most 3 ways. A multiple of BLOCK_N.
@@ -166,12 +170,13 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    acc_ptr, max_ptr, sum_ptr, out_ptr, sinks_ptr, seq_lens_ptr, query_start_loc_ptr,
+    acc_ptr, max_ptr, sum_ptr, out_ptr, sinks_ptr, seq_lens_ptr, query_start_loc_ptr, q8_ptr, s8_ptr,
     window, splits, num_heads,
     stride_ot, stride_oh, stride_od,
     QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     PARTITION: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr, PDL: tl.constexpr = False,
+    USE_SINKS: tl.constexpr, FP8: tl.constexpr = False, HAND_ROUND: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
@@ -203,9 +208,15 @@ def _decode_merge_kernel(
     d_mask = offs_d < HEAD_DIM
     acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=written[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + (first_token + tok) * stride_ot + head * stride_oh + offs_d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out = (tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)).to(out_ptr.dtype.element_ty)
+    token = first_token + tok
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, out, mask=d_mask)
+    if FP8:  # the rounded row, one activation block: o [T, Hq * D]'s e4m3 row and scale
+        v, scale = e4m3_rows(out.to(tl.float32)[None, :], HAND_ROUND)
+        row = token.to(tl.int64) * num_heads + head
+        tl.store(q8_ptr + row * HEAD_DIM + offs_d[None, :], v.to(q8_ptr.dtype.element_ty),
+                 mask=d_mask[None, :])
+        tl.store(s8_ptr + row + tl.arange(0, 1), scale)
 
 
 def paged_decode(
@@ -217,9 +228,11 @@ def paged_decode(
     sliding_window: int | None,
     splits: int,
     sinks: torch.Tensor | None = None,
+    fp8: Fp8Rows | None = None,
 ) -> torch.Tensor:
     """paged_attention for a batch of at most SHORT_QUERY_MAX query tokens per sequence
-    (batch.max_query_len), in `splits` pieces."""
+    (batch.max_query_len), in `splits` pieces. fp8: filled with the output's e4m3 rows in
+    blocks of head_dim (Fp8Rows [T, Hq * D], [T, Hq])."""
     num_tokens, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -252,9 +265,11 @@ def paged_decode(
     block_s = triton.next_power_of_2(splits)
     _decode_merge_kernel[(num_seqs, num_heads, query_len)](
         acc, m, l_s, out, q if sinks is None else sinks, batch.seq_lens, batch.query_start_loc,
+        fp8.q if fp8 else out, fp8.scale if fp8 else out,
         window, splits, num_heads, *out.stride(),
         QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=block_s, **common,
-        USE_SINKS=sinks is not None, num_warps=min(8, max(1, block_s * block_d // 1024)),
+        USE_SINKS=sinks is not None, FP8=fp8 is not None, HAND_ROUND=INTERPRETED,
+        num_warps=min(8, max(1, block_s * block_d // 1024)),
         **pdl(),
     )
     return out

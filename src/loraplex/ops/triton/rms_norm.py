@@ -71,7 +71,11 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = scale_normed(x * rstd, w, dtype, UNIT_OFFSET).to(dtype)
     tl.store(out_ptr + outer * stride_o0 + inner * stride_o1 + offs, y, mask=mask)
-    if FP8_BLOCK > 0:  # the rounded row as [blocks, FP8_BLOCK] (padding columns are 0)
+    if FP8_BLOCK == BLOCK_N:  # the rounded row is one block (padding columns are 0)
+        v, scale = e4m3_rows(y.to(tl.float32)[None, :], HAND_ROUND)
+        tl.store(q_ptr + row * stride_q0 + offs[None, :], v.to(q_ptr.dtype.element_ty), mask=mask[None, :])
+        tl.store(s_ptr + row * stride_s0 + tl.arange(0, 1), scale)
+    elif FP8_BLOCK > 0:  # the rounded row as [blocks, FP8_BLOCK]
         v, scale = e4m3_rows(tl.reshape(y.to(tl.float32), (BLOCK_N // FP8_BLOCK, FP8_BLOCK)), HAND_ROUND)
         tl.store(q_ptr + row * stride_q0 + offs, tl.reshape(v, (BLOCK_N,)).to(q_ptr.dtype.element_ty),
                  mask=mask)
