@@ -76,3 +76,25 @@ def test_a_setting_other_than_0_or_1_is_refused(monkeypatch):
         importlib.reload(launch)
     monkeypatch.undo()
     importlib.reload(launch)  # the module as it was, for the tests after this one
+
+
+def test_kernels_on_a_side_stream_launch_without_pdl(monkeypatch):
+    """Side work (LoRA shrinks, the MoE gate/up delta, DeepSeek's shared experts) launches
+    in stream order (ops/side_streams.py); the main stream's keeps PDL, before and after."""
+    from loraplex.ops.side_streams import on_side_stream
+
+    monkeypatch.setattr(launch, "_enabled", lambda: True)
+    assert launch.pdl() == {"PDL": True, "launch_pdl": True}
+    with on_side_stream(None):
+        assert launch.pdl() == {"PDL": False, "launch_pdl": False}
+    assert launch.pdl() == {"PDL": True, "launch_pdl": True}
+
+
+def test_the_engine_enters_side_streams_only_through_on_side_stream():
+    """A plain `torch.cuda.stream(...)` in the ops, layers or models would launch side work
+    with PDL on."""
+    src = KERNELS.parent.parent
+    for folder in ("ops", "layers", "models"):
+        for path in sorted((src / folder).rglob("*.py")):
+            if path.name != "side_streams.py":
+                assert "torch.cuda.stream(" not in path.read_text(), path

@@ -358,9 +358,11 @@ def check_paged_attention(seqs, window, dtype, num_heads, num_kv, head_dim, bloc
         again, rows = ops.paged_attention(q.to(**dev), kc, vc, batch, scale, window,
                                           None if sink is None else sink.to(**dev), fp8_block)
         assert torch.equal(again.cpu(), out)
-        want_q, want_scale = quantize_activations(out.reshape(num_tokens, -1), fp8_block)
-        assert torch.equal(rows.q.cpu().view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(rows.scale.cpu(), want_scale)
+        # (plain torch on a GPU quantizes there: its division by 448 is a multiply)
+        o = again if ops.backend_name() == "torch" else out
+        want_q, want_scale = quantize_activations(o.reshape(num_tokens, -1), fp8_block)
+        assert torch.equal(rows.q.cpu().view(torch.uint8), want_q.cpu().view(torch.uint8))
+        assert torch.equal(rows.scale.cpu(), want_scale.cpu())
 
     flat_k = kc.cpu().view(-1, num_kv, head_dim)
     flat_v = vc.cpu().view(-1, num_kv, head_dim)

@@ -25,6 +25,7 @@ from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.layers.parallel import LinearShard, reduce_deferred
 from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import LoRABatch
+from loraplex.ops.side_streams import on_side_stream
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
 
@@ -113,7 +114,7 @@ class LoRALinear(nn.Module):
         # by waiting on the main one, so memory it frees is never reused early.
         main = torch.cuda.current_stream()
         ctx.aux_stream.wait_stream(main)
-        with torch.cuda.stream(ctx.aux_stream):
+        with on_side_stream(ctx.aux_stream):
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
         y = ops.linear(x, self.weight, self.bias, x_fp8)
         main.wait_stream(ctx.aux_stream)

@@ -36,6 +36,7 @@ from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.blocks import DecoderLayer, GatedMLP
 from loraplex.models.dense import DenseCausalLM
 from loraplex.ops.formats import Fp8Rows
+from loraplex.ops.side_streams import on_side_stream
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their class default, whatever
 # rms_norm_eps says.
@@ -113,7 +114,7 @@ class SharedExpertsMoE(SparseMoE):
             # experts' LoRA runs in line (no aux stream: that one serves the routed side).
             main, side = torch.cuda.current_stream(), side_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side), forward_context(replace(ctx, aux_stream=None)):
+            with on_side_stream(side), forward_context(replace(ctx, aux_stream=None)):
                 shared = self.shared_experts(x, x_fp8)
             routed = super().forward(x, x_fp8)
             main.wait_stream(side)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from loraplex.ops import reference
 from loraplex.ops.formats import Fp8Rows, Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
+from loraplex.ops.side_streams import on_side_stream
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_gemm import fp8_fuses_expand, fp8_linear
@@ -96,7 +97,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream
         # The side stream starts by waiting on this one, so memory it frees is never
         # reused early.
         side_stream.wait_stream(main)
-        with torch.cuda.stream(side_stream):
+        with on_side_stream(side_stream):
             buf = lora_shrink(x, lora_a, batch)
     else:
         buf = lora_shrink(x, lora_a, batch)

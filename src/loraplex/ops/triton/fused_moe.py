@@ -40,6 +40,7 @@ import torch
 from loraplex.ops.formats import Fp8Rows, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize, w8a8
+from loraplex.ops.side_streams import on_side_stream
 from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
 from loraplex.ops.triton.fp8_activations import quantize_activations
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
@@ -172,7 +173,7 @@ def fused_experts(
         # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
         main = torch.cuda.current_stream()
         side_stream.wait_stream(main)
-        with torch.cuda.stream(side_stream):
+        with on_side_stream(side_stream):
             gate_up_delta()
         align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
         main.wait_stream(side_stream)

@@ -7,7 +7,8 @@ Launched with PDL, a kernel's programs may be scheduled while the grid before it
 runs. Every kernel therefore starts with `wait_for_inputs`: it waits until the grids
 before it have finished and their writes are visible, then lets the next kernel launch.
 What overlaps is the launch and the ramp, never a read of an input. Kernels before and
-after that are not ours (cuBLAS, torch) keep ordinary stream order.
+after that are not ours (cuBLAS, torch) keep ordinary stream order, and so do ours when
+launched on a side stream (ops/side_streams.py says why).
 
 Off under the interpreter, on GPUs before sm_90 and with LORAPLEX_PDL=0 (to compare; any
 other value than 0 or 1 is refused at startup).
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.side_streams import launching_on_side
 from loraplex.ops.triton.precision import INTERPRETED
 
 
@@ -53,6 +55,6 @@ def _enabled() -> bool:
 
 def pdl() -> dict:
     """The launch arguments of a kernel that starts with wait_for_inputs: its PDL
-    constexpr and Triton's launch_pdl option, both on where PDL is."""
-    on = _enabled()
+    constexpr and Triton's launch_pdl option, both on where PDL is, off on a side stream."""
+    on = _enabled() and not launching_on_side()
     return dict(PDL=on, launch_pdl=on)
