@@ -261,7 +261,8 @@ def model_shape(name: str) -> ModelShape:
     src = resources.files(workload.__package__) / "configs" / name / "config.json"
     cfg = json.loads(src.read_text())
     heads = cfg["num_attention_heads"]
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    # Qwen3-MoE / gpt-oss, Mixtral, DeepSeek name the routed experts' count differently.
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0
     layer_types = cfg.get("layer_types") or []
     window = cfg.get("sliding_window")
     if layer_types and "sliding_attention" not in layer_types:

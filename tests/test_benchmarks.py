@@ -153,3 +153,13 @@ def test_decode_breakdown_can_time_w8a8_without_its_quantization_launches(monkey
     assert fused_moe.quantize_activations(x + 1, 128) is first and len(calls) == 1
     fp8_gemm.quantize_activations(torch.randn(5, 256, device=DEVICE), 128)
     assert len(calls) == 2
+
+
+def test_model_shapes_of_the_moe_configs():
+    """Every bundled MoE config gives its expert shape, whatever its config calls the
+    expert count (DeepSeek: n_routed_experts)."""
+    harness = importlib.import_module("benchmarks.harness")
+    shapes = {name: harness.model_shape(name).expert_shape()
+              for name in ("qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite")}
+    assert shapes == {"qwen3-30b-a3b": (128, 2048, 768, 8), "gpt-oss-20b": (32, 2880, 2880, 4),
+                      "deepseek-v2-lite": (64, 2048, 1408, 6)}
