@@ -151,18 +151,24 @@ def without_activation_quant() -> None:
     it first computed (eagerly, at warm-up), so the captured graphs launch none: what a
     step would take with the quantization fused into the kernels that write the
     activations. The outputs are wrong (stale e4m3 rows, finite); routing reads the bf16
-    rows and stays as in serving."""
-    from loraplex.ops.triton import fp8_gemm, fused_moe
+    rows and stays as in serving. (The GEMMs quantize through fp8_activations.fp8_rows;
+    attention's prompt steps call the quantizer themselves.)"""
+    import importlib
 
-    first = fp8_gemm.quantize_activations
+    from loraplex.ops.formats import Fp8Rows
+    from loraplex.ops.triton import fp8_activations
+
+    attention = importlib.import_module("loraplex.ops.triton.paged_attention")  # the module, not the op
+    first = fp8_activations.quantize_activations
     cache = {}
 
     def replay_first(x, block):
         key = (tuple(x.shape), block, x.dtype, x.device)
         if key not in cache:
-            cache[key] = tuple(t.clone() for t in first(x, block))
+            q, scale = first(x, block)
+            cache[key] = Fp8Rows(q.clone(), scale.clone())
         return cache[key]
-    fp8_gemm.quantize_activations = fused_moe.quantize_activations = replay_first
+    fp8_activations.quantize_activations = attention.quantize_activations = replay_first
 
 
 def main(argv=None):

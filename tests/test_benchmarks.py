@@ -140,18 +140,20 @@ def test_decode_breakdown_can_time_w8a8_without_its_quantization_launches(monkey
     from conftest import DEVICE
 
     from benchmarks import decode_breakdown
-    from loraplex.ops.triton import fp8_gemm, fused_moe
+    from loraplex.ops.triton import fp8_activations
 
+    attention = importlib.import_module("loraplex.ops.triton.paged_attention")
     calls = []
-    real = fp8_gemm.quantize_activations
-    monkeypatch.setattr(fp8_gemm, "quantize_activations", lambda x, b: calls.append(x.shape) or real(x, b))
-    monkeypatch.setattr(fused_moe, "quantize_activations", fused_moe.quantize_activations)  # restored after
+    real = fp8_activations.quantize_activations
+    monkeypatch.setattr(fp8_activations, "quantize_activations",
+                        lambda x, b: calls.append(x.shape) or real(x, b))
+    monkeypatch.setattr(attention, "quantize_activations", attention.quantize_activations)  # restored after
     decode_breakdown.without_activation_quant()
     x = torch.randn(3, 256, device=DEVICE)
-    first = fp8_gemm.quantize_activations(x, 128)
+    first = fp8_activations.fp8_rows(x, 128, None)
     assert torch.equal(first[0].float(), real(x, 128)[0].float())
-    assert fused_moe.quantize_activations(x + 1, 128) is first and len(calls) == 1
-    fp8_gemm.quantize_activations(torch.randn(5, 256, device=DEVICE), 128)
+    assert attention.quantize_activations(x + 1, 128) is first and len(calls) == 1
+    fp8_activations.quantize_activations(torch.randn(5, 256, device=DEVICE), 128)
     assert len(calls) == 2
 
 

@@ -133,7 +133,7 @@ def test_w8a8_layers_read_rows_written_beside_their_inputs(tmp_path, monkeypatch
     merge in front of o_proj (decode steps; 16-key partitions so that these split). Left:
     the experts' h and o_proj's input in prompt steps. The same logprobs as with every
     GEMM quantizing its own input."""
-    from loraplex.ops.triton import fp8_gemm, fused_moe, paged_decode
+    from loraplex.ops.triton import fp8_activations, paged_decode
 
     attention = importlib.import_module("loraplex.ops.triton.paged_attention")  # the module, not the op
     monkeypatch.setattr(paged_decode, "PARTITION_SIZE", 16)
@@ -149,7 +149,7 @@ def test_w8a8_layers_read_rows_written_beside_their_inputs(tmp_path, monkeypatch
             widths[x.shape[1]] += 1
             return quantize(x, block)
         return run
-    for module in (fp8_gemm, fused_moe, attention):
+    for module in (fp8_activations, attention):  # the GEMMs quantize through fp8_activations.fp8_rows
         monkeypatch.setattr(module, "quantize_activations", counted(module.quantize_activations))
     fused = llm.generate(prompts, PROMPT_SCORING, use_tqdm=False)
     got, widths = widths, Counter()

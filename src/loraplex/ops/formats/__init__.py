@@ -86,6 +86,17 @@ class Fp8Rows(NamedTuple):
     q: torch.Tensor
     scale: torch.Tensor
 
+    @staticmethod
+    def empty(rows: int, k: int, block: int, device) -> Fp8Rows:
+        """Uninitialised rows of [rows, k] activations, for a kernel to write."""
+        return Fp8Rows(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
+                       torch.empty(rows, -(-k // block), dtype=torch.float32, device=device))
+
+    def check(self, x: torch.Tensor, block: int) -> None:
+        """These are rows of x [T, K] in blocks of `block` (shapes)."""
+        assert self.q.shape == x.shape and self.scale.shape == (x.shape[0], -(-x.shape[1] // block)), (
+            x.shape, self.q.shape, self.scale.shape, block)
+
 
 class Int4Weight(QuantizedWeight):
     values_per_element = 2

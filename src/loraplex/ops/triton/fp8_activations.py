@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.reference.quant import ACT_MIN_AMAX, FP8_MAX
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
@@ -72,15 +73,14 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_qt, strid
     tl.store(s_ptr + rows64 * stride_st + group, scale, mask=row_mask)
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, block: int) -> Fp8Rows:
     """ops.reference.quant.quantize_activations for x [T, K] (last dim contiguous)."""
     assert x.dim() == 2 and x.stride(1) == 1 and block & (block - 1) == 0, (x.shape, block)
     t, k = x.shape
     groups = triton.cdiv(k, block)
-    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(t, groups, dtype=torch.float32, device=x.device)
+    rows = q, scale = Fp8Rows.empty(t, k, block, x.device)
     if t == 0:
-        return q, scale
+        return rows
     width = min(block, triton.next_power_of_2(k))  # a row shorter than one block
     _quantize_rows_kernel[(triton.cdiv(t, ROWS), groups)](
         x, q, scale, t, k, x.stride(0), q.stride(0), scale.stride(0),
@@ -88,4 +88,13 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
         HAND_ROUND=INTERPRETED, num_warps=4,
         **pdl(),
     )
-    return q, scale
+    return rows
+
+
+def fp8_rows(x: torch.Tensor, block: int, given: Fp8Rows | None) -> Fp8Rows:
+    """x's e4m3 rows for a W8A8 GEMM: `given` (written beside x by the op that wrote x),
+    checked against x, or quantized now."""
+    if given is None:
+        return quantize_activations(x, block)
+    given.check(x, block)
+    return given

@@ -54,7 +54,7 @@ from loraplex.ops.formats import Fp8Rows, Fp8Weight
 from loraplex.ops.reference.quant import linear as reference_linear
 from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
-from loraplex.ops.triton.fp8_activations import quantize_activations
+from loraplex.ops.triton.fp8_activations import fp8_rows
 from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
@@ -227,12 +227,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     if a8:  # e4m3 rows and their scales; a K step inside one block of each
         assert bm >= MIN_DOT_M and w.act_block == w.block_k, (cfg, w.act_block, w.block_k)
         bk = min(bk, w.act_block)
-    if a8 and x_fp8 is not None:
-        assert x_fp8.q.shape == x2.shape and x_fp8.scale.shape == (t, triton.cdiv(k, w.act_block)), (
-            x_fp8.q.shape, x_fp8.scale.shape, w.act_block)
-        xq, xs = x_fp8
-    else:
-        xq, xs = quantize_activations(x2, w.act_block) if a8 else (x2, scale)
+    xq, xs = fp8_rows(x2, w.act_block, x_fp8) if a8 else (x2, scale)
     dest = y if split_k == 1 else torch.empty(split_k, t, n, dtype=torch.float32, device=x.device)
     k_split = triton.cdiv(triton.cdiv(k, bk), split_k) * bk
     grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn), split_k)

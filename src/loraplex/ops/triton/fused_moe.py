@@ -42,7 +42,7 @@ from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize, w8a8
 from loraplex.ops.side_streams import on_side_stream
 from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
-from loraplex.ops.triton.fp8_activations import quantize_activations
+from loraplex.ops.triton.fp8_activations import fp8_rows
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.moe_act import check_activation
 from loraplex.ops.triton.moe_align import align_experts, align_lora
@@ -96,10 +96,7 @@ def _expert_gemm(a, w, bias, out, align, cfg, row_div, topk_ids, lora_b=None, a_
     elif dequantized(w, *topk_ids.shape):
         moe_gemm(a, dequantize_kernel(w), bias, out, align, cfg, row_div, **epilogue)
     elif w8a8(w, topk_ids.shape[0]):
-        if a_fp8 is not None:
-            groups = -(-a.shape[1] // w.act_block)
-            assert a_fp8.q.shape == a.shape and a_fp8.scale.shape == (a.shape[0], groups), a_fp8.scale.shape
-        a_q, a_scale = a_fp8 if a_fp8 is not None else quantize_activations(a, w.act_block)
+        a_q, a_scale = fp8_rows(a, w.act_block, a_fp8)
         moe_gemm_quant(a_q, w, bias, out, align, cfg, row_div, a_scale=a_scale, **epilogue)
     else:
         gemm = moe_gemm_quant if isinstance(w, QuantizedWeight) else moe_gemm

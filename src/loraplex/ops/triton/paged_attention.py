@@ -155,19 +155,16 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     short = batch.max_query_len <= SHORT_QUERY_MAX
     splits = num_splits(batch, k_cache.shape[1], k_cache.shape[2], sliding_window) if short else 1
+    fused = None  # the output's rows, where the split-KV merge writes them
     if splits > 1:  # split long contexts over programs (host-known bound)
-        fused = None
         if fp8_block == head_dim:
-            fused = Fp8Rows(torch.empty(num_tokens, num_heads * head_dim, dtype=torch.float8_e4m3fn,
-                                        device=q.device),
-                            torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device))
+            fused = Fp8Rows.empty(num_tokens, num_heads * head_dim, fp8_block, q.device)
         out = paged_decode(q, k_cache, v_cache, batch, scale, sliding_window, splits, sinks, fused)
     else:
         out = _attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks)
-        fused = None
     if not fp8_block:
         return out
-    return out, fused or Fp8Rows(*quantize_activations(out.view(num_tokens, -1), fp8_block))
+    return out, fused or quantize_activations(out.view(num_tokens, -1), fp8_block)
 
 
 def _attention(q, k_cache, v_cache, batch, scale, sliding_window, sinks) -> torch.Tensor:

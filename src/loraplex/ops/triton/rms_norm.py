@@ -101,8 +101,7 @@ def _launch(x, residual, weight, eps, unit_offset, fp8_block=0):
     if fp8_block:  # rows of a [T, N] output, blocks of a power of 2 that tile BLOCK_N
         assert out_shape[1] == 1 and fp8_block & (fp8_block - 1) == 0 and fp8_block <= block_n, (
             x.shape, fp8_block)
-        fp8 = Fp8Rows(torch.empty(rows, n, dtype=torch.float8_e4m3fn, device=x.device),
-                      torch.empty(rows, triton.cdiv(n, fp8_block), dtype=torch.float32, device=x.device))
+        fp8 = Fp8Rows.empty(rows, n, fp8_block, x.device)
     if rows:
         _rms_norm_kernel[(rows,)](
             x3, residual if residual is not None else x3, weight, out,
