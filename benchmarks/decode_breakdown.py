@@ -135,6 +135,12 @@ def build_parser():
     harness.add_engine_arguments(p)
     p.add_argument("--gemv-pairs-per-expert", type=float, default=None,
                    help="quantized experts: take the GEMV form up to this many pairs per expert")
+    p.add_argument("--down-delta-in-epilogue", action="store_true",
+                   help="MoE adapters: add the down delta in the down GEMM's epilogue (after its kernel) "
+                        "instead of as terms of the top-k sum (its kernel beside the GEMM)")
+    p.add_argument("--lora-min-split-k", type=int, default=None,
+                   help="FP8 projections with adapters in decode: split K at least this many ways (the "
+                        "LoRA expand joins the split-K sum); 1: the tuned split as it is")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -181,6 +187,11 @@ def main(argv=None):
         fused_moe.GEMV_PAIRS_PER_EXPERT = args.gemv_pairs_per_expert
     if args.without_activation_quant:
         without_activation_quant()
+    if args.lora_min_split_k is not None:
+        from loraplex.ops.triton import fp8_gemm
+        fp8_gemm.LORA_MIN_SPLIT_K = args.lora_min_split_k
+    if args.down_delta_in_epilogue:
+        fused_moe.DOWN_DELTA_AS_TERMS = False
 
     engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,

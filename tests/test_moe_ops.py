@@ -78,6 +78,15 @@ def make_lora(e, h, i, t, gen, with_ranks: bool = True) -> MoELoRA:
     return MoELoRA(a_gu, b_gu, a_d, b_d, slots[torch.randperm(t, generator=gen)], mask, ranks)
 
 
+def pair_terms(terms: torch.Tensor, top_k: int) -> torch.Tensor:
+    """fused_experts' unsummed terms [T, K, H] as one per pair, [T, top_k, H] (float32): K
+    = 2 top_k where each pair's GEMM row is followed by its down delta."""
+    if terms.shape[1] == 2 * top_k:
+        return terms[:, 0::2].float() + terms[:, 1::2].float()
+    assert terms.shape[1] == top_k
+    return terms.float()
+
+
 SMALL_BLOCKS = (  # gate/up, down: several row and column blocks, grouped ordering, and
     # BLOCK_M differing between the GEMMs (each gets its own alignment)
     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=3, num_warps=4, num_stages=2),
@@ -147,6 +156,8 @@ def test_fused_experts(monkeypatch, t, e, k, h, i, act, bias, blocks, with_lora,
         xe, wgu, wd, bgu, bd, lo = ref_args
         terms_ref = reference.fused_experts(xe, weights, ids, wgu, wd, act, bgu, bd, lo, limit,
                                             sum_topk=False)
+        assert terms.shape == (t, 2 * k if with_lora == "gemv" else k, h)
+        terms = pair_terms(terms, k)
         assert terms.shape == terms_ref.shape == (t, k, h)
         assert (terms.cpu().float() - terms_ref).norm() / terms_ref.norm() <= REL_TOL[dtype]
         assert (terms_ref.sum(1) - expected).norm() / expected.norm() <= 1e-5
@@ -387,3 +398,54 @@ def test_grouped_lora_add(counts, n_cols, rank, dtype):
         plain = y0[start:end].float() + 0.5 * xa[start:end].float() @ b[i].float()
         torch.testing.assert_close(want[start:end].float(), plain, rtol=tol, atol=tol * 4)
         start = end
+
+
+
+def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
+    """Decode-sized steps: the down GEMM gets no delta (its adapter kernel need not run
+    first); the adapter kernel writes every pair's delta times its routing weight (zeros
+    without an adapter) as a term of its own, after the pair's GEMM row; the terms add up
+    to the reference's, and the sum to the epilogue form's."""
+    t, e, k, h, i = 5, 4, 2, 40, 24
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(t, h, generator=gen).to(DEVICE)
+    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
+    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
+    lora = make_lora(e, h, i, t, gen)
+    fields = [f.name for f in dataclasses.fields(MoELoRA)]
+    lora = MoELoRA(*(getattr(lora, f).to(DEVICE) for f in fields))
+    down_deltas = []
+    gemm, lora_gemv = fused_moe._expert_gemm, fused_moe.moe_lora_gemv
+
+    def expert_gemm(a, w, *args, delta=None, **kw):
+        if w is w_d:
+            down_deltas.append(delta)
+        return gemm(a, w, *args, delta=delta, **kw)
+
+    def lora_kernel(inp, *args):
+        args[6].fill_(float("nan"))  # every row must be written
+        lora_gemv(inp, *args)
+
+    monkeypatch.setattr(fused_moe, "_expert_gemm", expert_gemm)
+    monkeypatch.setattr(fused_moe, "moe_lora_gemv", lora_kernel)
+    monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64)
+    args = (x, weights.to(DEVICE), ids.to(DEVICE), w_gu, w_d, "silu", None, None, lora)
+    with ops.using_backend("triton"):
+        terms = ops.fused_experts(*args, sum_topk=False)
+        summed = ops.fused_experts(*args)
+        monkeypatch.setattr(fused_moe, "DOWN_DELTA_AS_TERMS", False)
+        in_epilogue = ops.fused_experts(*args)
+    assert down_deltas[:2] == [None, None] and down_deltas[2] is not None
+    assert terms.shape == (t, 2 * k, h) and torch.isfinite(terms).all()
+    slot = lora.token_slot.cpu()
+    covered = (slot >= 0) & (lora.slot_mask.cpu()[slot.clamp(min=0)] != 0)
+    deltas = terms[:, 1::2].cpu()
+    assert (deltas[~covered] == 0).all() and (deltas[covered] != 0).any()
+    cpu_lora = MoELoRA(*(getattr(lora, f).cpu() for f in fields))
+    ref_args = (x.cpu(), weights, ids, w_gu.cpu(), w_d.cpu(), "silu", None, None, cpu_lora)
+    ref_terms = reference.fused_experts(*ref_args, sum_topk=False)
+    assert (pair_terms(terms, k).cpu() - ref_terms).norm() / ref_terms.norm() <= REL_TOL[torch.float32]
+    torch.testing.assert_close(summed, in_epilogue, rtol=1e-5, atol=1e-5)
+    expected = reference.fused_experts(*ref_args)
+    assert (summed.cpu() - expected).norm() / expected.norm() <= REL_TOL[torch.float32]

@@ -441,11 +441,13 @@ def fused_experts(
     routing_stats, float32 [2] (measuring only): (distinct experts in topk_ids, 1) is
     added to it, on the device, without a launch of its own where the backend can.
     side_stream (CUDA, optional): a stream the backend may run work on beside the current
-    one (the gate/up adapter deltas beside the expert alignment); it must not be in use
-    elsewhere during the call. No effect on any result. x_fp8: x's e4m3 rows for W8A8
-    gate/up experts, as in linear (no effect on the result).
-    Returns [T, H] in x's dtype; sum_topk=False: [T, top_k, H], the terms of the sum
-    (each rounded to x's dtype), for a later op to add (add_rms_norm does).
+    one (the adapter deltas beside the expert alignment and the down GEMM); it must not
+    be in use elsewhere during the call. No effect on any result. x_fp8: x's e4m3 rows
+    for W8A8 gate/up experts, as in linear (no effect on the result).
+    Returns [T, H] in x's dtype; sum_topk=False: [T, K, H], the terms of the sum (each
+    rounded to x's dtype), for a later op to add (add_rms_norm does): K = top_k, or
+    more where a backend gives terms of its own (the Triton one's down deltas in
+    decode-sized steps with adapters: 2 top_k).
     """
     return _impl.fused_experts(x, topk_weights, topk_ids, w_gate_up, w_down, activation,
                                b_gate_up, b_down, lora, swiglu_limit, routing_stats, side_stream,

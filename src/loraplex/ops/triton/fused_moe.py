@@ -14,7 +14,11 @@ kernels in front of the GEMVs instead of two that also stream every B. (The grou
 GEMMs expanding shrunk rows too, one tl.dot per adapter slot in a tile, ran 2-4x slower
 on an H200: benchmarks/LOG.md, "The grouped GEMMs' slot expand, timed".)
 Deltas are float32: adapters of the size of the base output, rounded to bf16 on their
-own, added ~40% to the error.
+own, added ~40% to the error. The down projection's delta needs nothing after it but
+the top-k sum: in decode-sized steps its kernel writes each pair's delta, times the
+routing weight, as one more term of the sum (bf16 rows interleaved with the GEMM's:
+[T, top_k, 2, H]), so the down GEMM and its adapter kernel run side by side (on the side
+stream where one is given) rather than one after the other.
 Quantized experts (Mxfp4Weight, Fp8Weight) are read as they are stored in steps of
 fewer pairs per expert than moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT: the grouped
 GEMM's quantized variant (moe_gemm_quant.py), or, for steps of no more pairs than
@@ -62,6 +66,9 @@ GEMV_PAIRS_PER_EXPERT = 1
 # (moe_gemv_quant.py), so the expert-LoRA kernel in front of each GEMV runs the shrink
 # alone. (A switch for benchmarks: False computes whole deltas first, as the GEMM form.)
 GEMV_EXPANDS_LORA = True
+# Decode-sized steps give the down delta as terms of the top-k sum, its kernel beside the
+# down GEMM. (A switch for benchmarks: False adds it in the GEMM's epilogue.)
+DOWN_DELTA_AS_TERMS = True
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
@@ -148,11 +155,12 @@ def fused_experts(
         # B [L, E, N, R]: a delta row is N wide, or R where the GEMV expands it.
         delta_dim = 3 if gemv_expands else 2
 
-        def adapter_delta(inp, a, b, row_div, which, delta):
+        def adapter_delta(inp, a, b, row_div, which, delta, weights=None):
             ranks = lora.ranks[which] if lora.ranks is not None else None
             if align_l is None:
                 b = None if gemv_expands else b  # the shrink alone
-                moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div)
+                moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div,
+                              weights)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
 
@@ -165,10 +173,10 @@ def fused_experts(
 
         # Deltas are allocated on the current stream, so the allocator orders their reuse there.
         delta_gu = torch.empty(p, lora.b_gate_up.shape[delta_dim], dtype=torch.float32, device=dev)
+    main = torch.cuda.current_stream() if side_stream is not None else None
     if lora is not None and side_stream is not None:
         # The gate/up delta reads only x and the routing: it runs beside the expert
         # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
-        main = torch.cuda.current_stream()
         side_stream.wait_stream(main)
         with on_side_stream(side_stream):
             gate_up_delta()
@@ -185,13 +193,28 @@ def fused_experts(
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
                  limit=limit, delta=delta_gu, lora=lora, top_k=top_k,
                  lora_b=lora.b_gate_up if gemv_expands else None, a_fp8=x_fp8)
-    if lora is not None:
+    # Decode-sized steps: the down delta rows, weighted, are terms of the sum: y [T, top_k,
+    # 2, H] holds each pair's GEMM row, then its delta row.
+    delta_terms = DOWN_DELTA_AS_TERMS and lora is not None and form == "gemv" and not gemv_expands
+    y = torch.empty(t, top_k, 1 + delta_terms, hidden, dtype=x.dtype, device=dev)
+    y_gemm = y.view(p, -1, hidden)[:, 0]
+    if delta_terms:
+        delta_d = y.view(p, 2, hidden)[:, 1]
+        if side_stream is None:
+            adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d, weights.view(-1))
+        else:
+            side_stream.wait_stream(main)
+            with on_side_stream(side_stream):
+                adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d, weights.view(-1))
+    elif lora is not None:
         delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
-    y = torch.empty(p, hidden, dtype=x.dtype, device=dev)
-    _expert_gemm(h, w_down, b_down, y, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
-                 delta=delta_d, lora=lora, top_k=top_k, lora_b=lora.b_down if gemv_expands else None)
-    y = y.view(t, top_k, hidden)
+    _expert_gemm(h, w_down, b_down, y_gemm, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
+                 delta=None if delta_terms else delta_d, lora=lora, top_k=top_k,
+                 lora_b=lora.b_down if gemv_expands else None)
+    if delta_terms and side_stream is not None:
+        main.wait_stream(side_stream)
+    y = y.view(t, -1, hidden)  # [T, top_k (x 2), H]
     return y.sum(1) if sum_topk else y
 
 

@@ -38,13 +38,14 @@ NUM_STAGES = 3
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _moe_lora_gemv_kernel(
-    in_ptr, ids_ptr, token_slot_ptr, slot_mask_ptr, ranks_ptr, a_ptr, b_ptr, delta_ptr,
+    in_ptr, ids_ptr, token_slot_ptr, slot_mask_ptr, ranks_ptr, a_ptr, b_ptr, delta_ptr, weights_ptr,
     K, N, num_pairs,
     stride_im, stride_al, stride_ae, stride_ar, stride_bl, stride_be, stride_bn, stride_dm,
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, PDL: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, ZERO_UNCOVERED: tl.constexpr = False,
+    MUL_WEIGHT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     pair = tl.program_id(0)
@@ -64,7 +65,10 @@ def _moe_lora_gemv_kernel(
     else:
         a_mask = r < R
         b_mask = a_mask
-    if not valid:
+    if ZERO_UNCOVERED:  # run through with nothing read: shrunk 0, zeros stored
+        a_mask = tl.where(valid, a_mask, False)  # (a scalar & a tile: the interpreter's mask breaks)
+        b_mask = tl.where(valid, b_mask, False)
+    elif not valid:
         return
     slot = slot.to(tl.int64)
     in_row = in_ptr + (pair // ROW_DIV).to(tl.int64) * stride_im
@@ -86,27 +90,32 @@ def _moe_lora_gemv_kernel(
         tl.store(delta_ptr + pair.to(tl.int64) * stride_dm + r, shrunk, mask=r < R)
         return
 
+    if MUL_WEIGHT:  # the routing weight, applied before the one rounding to delta's dtype
+        shrunk *= tl.load(weights_ptr + pair)
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + r[None, :]
     out_row = delta_ptr + pair.to(tl.int64) * stride_dm
+    out_ty = delta_ptr.dtype.element_ty
     n_chunk = tl.cdiv(tl.cdiv(N, N_SPLIT), BLOCK_N) * BLOCK_N
     for n0 in tl.range(split * n_chunk, tl.minimum((split + 1) * n_chunk, N), BLOCK_N, num_stages=NUM_STAGES):
         n = n0 + tl.arange(0, BLOCK_N)
         if EVEN_N:
             w = tl.load(b_rows + n[:, None] * stride_bn, mask=b_mask[None, :], other=0.0)
-            tl.store(out_row + n, tl.sum(w.to(tl.float32) * shrunk[None, :], axis=1))
+            tl.store(out_row + n, tl.sum(w.to(tl.float32) * shrunk[None, :], axis=1).to(out_ty))
         else:
             w = tl.load(b_rows + n[:, None] * stride_bn, mask=(n < N)[:, None] & b_mask[None, :], other=0.0)
-            tl.store(out_row + n, tl.sum(w.to(tl.float32) * shrunk[None, :], axis=1), mask=n < N)
+            tl.store(out_row + n, tl.sum(w.to(tl.float32) * shrunk[None, :], axis=1).to(out_ty), mask=n < N)
 
 
 def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.Tensor,
                   slot_mask: torch.Tensor | None, ranks: torch.Tensor | None,
                   lora_a: torch.Tensor, lora_b: torch.Tensor | None, delta: torch.Tensor,
-                  row_div: int) -> None:
+                  row_div: int, weights: torch.Tensor | None = None) -> None:
     """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for every pair whose
     token (pair // top_k) is in a slot s >= 0 with slot_mask[s] != 0; e = topk_ids.flat[pair].
-    Other rows are left as they are. lora_a [L, E, R, K]; lora_b [L, E, N, R];
-    delta float32 [P, N]; ranks int32 [L] (A/B zero past them) or None. lora_b None: the
+    Other rows are left as they are. lora_a [L, E, R, K]; lora_b [L, E, N, R]; delta
+    float32 [P, N]; ranks int32 [L] (A/B zero past them) or None. weights (float32 [P],
+    the routing weights; with lora_b): delta[pair] times weights[pair], rounded once to
+    delta's dtype (any), every row written (zero where no adapter). lora_b None: the
     shrink alone, delta [P, R] = inp[pair // row_div] @ A[s, e].T (the GEMV form of the
     expert GEMMs expands it in its epilogue: moe_gemv_quant.py)."""
     t, top_k = topk_ids.shape
@@ -121,17 +130,20 @@ def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.T
     block_k = min(A_TILE // block_r, triton.next_power_of_2(k))
     block_n = min(B_TILE // block_r, triton.next_power_of_2(n))
     expand = lora_b is not None
+    assert weights is None or (expand and weights.dtype == torch.float32 and weights.numel() == p)
+    assert delta.dtype == torch.float32 or weights is not None, delta.dtype
     n_split = min(splits_per_pair(p, inp.device), triton.cdiv(n, block_n)) if expand else 1
     lora_b = lora_b if expand else lora_a  # (not read without the expand)
     _moe_lora_gemv_kernel[(p, n_split)](
         inp, topk_ids.contiguous(), token_slot, slot_mask if slot_mask is not None else token_slot,
         ranks if ranks is not None else token_slot, lora_a, lora_b, delta,
-        k, n, p,
+        weights if weights is not None else delta, k, n, p,
         inp.stride(0), *lora_a.stride()[:3], *lora_b.stride()[:3], delta.stride(0),
         TOP_K=top_k, ROW_DIV=row_div, R=rank, BLOCK_R=block_r,
         HAS_MASK=slot_mask is not None, HAS_RANKS=ranks is not None, N_SPLIT=n_split,
         BLOCK_K=block_k, BLOCK_N=block_n, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        NUM_STAGES=NUM_STAGES, EXPAND=expand, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, EXPAND=expand, ZERO_UNCOVERED=weights is not None,
+        MUL_WEIGHT=weights is not None, num_warps=NUM_WARPS,
         **pdl(),
     )
 
