@@ -117,7 +117,20 @@ def test_fp8_split_k_sum_adds_the_lora_expand():
     got = fp8_gemm.fp8_linear(x, w, bias, cfg, lora=lora)
     want = lora_linear(x, w, bias, a, b, sizes, batch)  # (the batch's tensors are on DEVICE)
     assert joined == [1]
-    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_adapted_decode_gemms_split_k_for_the_fused_expand(monkeypatch):
+    """A decode-sized GEMM with a LoRA expand to fuse splits K at least LORA_MIN_SPLIT_K
+    ways (the expand then joins the split-K sum); without adapters, or in larger steps,
+    the config's split stands."""
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1)
+    assert fp8_gemm._split_k(cfg, 16, lora=True) == fp8_gemm.LORA_MIN_SPLIT_K == 2
+    assert fp8_gemm._split_k(cfg, 16, lora=False) == 1
+    assert fp8_gemm._split_k(cfg, 4096, lora=True) == 1
+    assert fp8_gemm._split_k(dict(cfg, SPLIT_K=4), 16, lora=True) == 4
+    monkeypatch.setattr(fp8_gemm, "LORA_MIN_SPLIT_K", 1)
+    assert fp8_gemm._split_k(cfg, 16, lora=True) == 1
 
 
 # Every way a K tile finds its scales: (block_k, BLOCK_K) -> mode. K = 200.

@@ -58,6 +58,7 @@ from loraplex.ops.triton.fp8_activations import fp8_rows
 from loraplex.ops.triton.fp8_configs import MIN_DOT_M, gemm_config
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
+from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
 from loraplex.ops.triton.precision import INTERPRETED, dot_settings
 from loraplex.ops.triton.quant_tiles import fp8_w8a8_step
 from loraplex.ops.triton.split_k_sum import FusedExpand, split_k_sum
@@ -70,6 +71,11 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 # 128 tokens 22 vs 26, 512: 41 vs 36, 2048: 121 vs 82; o at 128: 43 vs 31; the router
 # at 128: 21 vs 7. (W8A8 keeps its own kernel: its MMAs are e4m3.)
 DEQUANTIZE_MIN_TOKENS = 128
+# An adapted projection's decode-sized GEMM (up to GEMV_MAX_TOKENS tokens) splits K at
+# least this many ways, so that its LoRA expand joins the split-K sum: one kernel after
+# the GEMM instead of the expand's launch and its pass over y (Qwen3-30B-A3B W8A8's
+# q/k/v, whose tuned decode config does not split K). 1: the tuned split as it is.
+LORA_MIN_SPLIT_K = 2
 
 
 @triton.jit
@@ -185,11 +191,18 @@ def _fp8_gemm_kernel(
 
 
 def fp8_fuses_expand(x: torch.Tensor, w: Fp8Weight) -> bool:
-    """Whether fp8_linear of x can take a FusedExpand: its config splits K."""
+    """Whether fp8_linear of x can take a FusedExpand: its GEMM splits K (_split_k)."""
     t, (n, k) = x.numel() // x.shape[-1], w.shape
     a8 = w8a8(w, t)
     return (x.is_cuda and 0 < t and (a8 or t < DEQUANTIZE_MIN_TOKENS)
-            and gemm_config(n, k, x.dtype, t, x.device, w8a8=a8).get("SPLIT_K", 1) > 1)
+            and _split_k(gemm_config(n, k, x.dtype, t, x.device, w8a8=a8), t, True) > 1)
+
+
+def _split_k(cfg: dict, tokens: int, lora: bool) -> int:
+    """The K splits of a GEMM of `tokens` with cfg; with a LoRA expand to fuse, at least
+    LORA_MIN_SPLIT_K in decode-sized steps."""
+    split = cfg.get("SPLIT_K", 1)
+    return max(split, LORA_MIN_SPLIT_K) if lora and tokens <= GEMV_MAX_TOKENS else split
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
@@ -222,7 +235,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         return F.linear(x2, _dequantize(w).to(x.dtype), bias).view(*lead, n)
     cfg = cfg or gemm_config(n, k, x.dtype, t, x.device, w8a8=a8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    split_k = cfg.get("SPLIT_K", 1)
+    split_k = _split_k(cfg, t, lora is not None)
     assert lora is None or split_k > 1, "a fused LoRA expand needs the split-K sum"
     if a8:  # e4m3 rows and their scales; a K step inside one block of each
         assert bm >= MIN_DOT_M and w.act_block == w.block_k, (cfg, w.act_block, w.block_k)
