@@ -1,6 +1,6 @@
 """Where a decode step's time goes: wall time per engine step against the device time of
 its CUDA-graph replay alone, the device time of each part of a step (graph, LM head,
-sampling, input uploads, token feed), a host profile (cProfile), the kernels of the
+sampling, input uploads with the token feed), a host profile (cProfile), the kernels of the
 step (torch.profiler) and the timeline of one decoder layer's kernels as they ran in a
 real step's graph (start, duration, stream: what overlaps on the side streams, and what
 waits); without adapters, then with them.
@@ -47,8 +47,9 @@ def step_parts(engine, runner, steps: int) -> dict[str, float]:
         setattr(owner, name, timed)
         return owner, name, fn
 
-    # Engine internals: the runner's input buffers, token feed, LM head, sampler and graphs.
-    saved = [wrap(runner.inputs, "prepare", "inputs"), wrap(runner, "_feed_pending_tokens", "feed tokens"),
+    # Engine internals: the runner's input buffers (the pending tokens' feed among them),
+    # LM head, sampler and graphs.
+    saved = [wrap(runner.inputs, "prepare", "inputs"),
              wrap(runner.model, "compute_logits", "logits (LM head)"),
              wrap(model_runner, "sample", "sampling")]
     if runner.graphs is not None:
