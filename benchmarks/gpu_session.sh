@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl |
+#        spec-cost | pdl | down-terms |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -116,6 +116,18 @@ for step in $STEPS; do
         run quant-launches${flag:+-without} 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
           --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 0 $flag \
           --out "$OUT/quant-launches${flag:+-without}.json" | grep -E "decode graph|moe\.|linear\." | head -8
+      done ;;
+    down-terms)  # RESULTS: "The expert adapters' down deltas beside the down GEMM" (decode graphs with
+      # 16 adapters, the down deltas as terms of the sum and in the GEMM's epilogue; Qwen3 W8A8, gpt-oss MXFP4)
+      for flag in "" --down-delta-in-epilogue; do
+        run down-terms-qwen3${flag:+-epilogue} 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
+          --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
+          --lora-targets q_proj k_proj v_proj o_proj experts $flag \
+          --out "$OUT/down-terms-qwen3${flag:+-epilogue}.json" | grep -E "decode graph"
+        run down-terms-gpt-oss${flag:+-epilogue} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 \
+          --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
+          --lora-targets q_proj k_proj v_proj o_proj experts $flag \
+          --out "$OUT/down-terms-gpt-oss${flag:+-epilogue}.json" | grep -E "decode graph"
       done ;;
     prefill)  # RESULTS: "Steps with prefill tokens"
       run prefill 300 profile_prefill --out "$OUT/prefill.json" | grep -E "^\[|host us" ;;
