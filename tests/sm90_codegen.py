@@ -128,14 +128,19 @@ def kernels() -> dict:
         BLOCK_M=const(16),
         BLOCK_R=const(r), BLOCK_K=const(64), BLOCK_N=const(128), EVEN_K=const(True),
         EVEN_N=const(True), **tf32))
-    out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
+    lora_gemv = dict(
         in_ptr=bf, ids_ptr=i32, token_slot_ptr=i32, slot_mask_ptr=i32, ranks_ptr=i32, a_ptr=bf, b_ptr=bf,
-        delta_ptr=f32, K=h, N=2 * inter, num_pairs=5,
+        delta_ptr=f32, weights_ptr=f32, K=h, N=2 * inter, num_pairs=5,
         stride_im=h, stride_al=experts * r * h, stride_ae=r * h, stride_ar=h,
         stride_bl=experts * 2 * inter * r, stride_be=2 * inter * r, stride_bn=r, stride_dm=2 * inter,
         TOP_K=const(8), ROW_DIV=const(8), R=const(r), BLOCK_R=const(r), HAS_MASK=const(True),
         HAS_RANKS=const(True), N_SPLIT=const(2), BLOCK_K=const(512), BLOCK_N=const(256),
-        EVEN_K=const(True), EVEN_N=const(True), NUM_STAGES=const(3), EXPAND=const(True)), num_warps=8)
+        EVEN_K=const(True), EVEN_N=const(True), NUM_STAGES=const(3), EXPAND=const(True))
+    out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, lora_gemv, num_warps=8)
+    # The down deltas as bf16 terms of the top-k sum (rows of [T, top_k, 2, H]: stride 2 H).
+    out["moe_lora_gemv_terms"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
+        lora_gemv, delta_ptr=bf, stride_dm=4 * inter, ZERO_UNCOVERED=const(True), MUL_WEIGHT=const(True)),
+        num_warps=8)
     out["race_sample"] = compile_ptx(mod("sample")._race_partial_kernel, dict(
         logits_ptr=f32, temperature_ptr=f32, seeds_ptr="*i64", best_ptr=f32, best_id_ptr=i32,
         vocab=128256, stride_row=128256, min_draw=1e-20, splits=16, SPAN=const(8192),

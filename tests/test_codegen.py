@@ -48,10 +48,12 @@ def test_bf16_outputs_are_not_read_or_written_one_element_at_a_time(counts, kern
     assert c.get("ld.b16", 0) == 0 and c.get("st.b16", 0) == 0, c
 
 
-def test_decode_expert_adapters_read_a_and_b_in_vectors(counts):
+@pytest.mark.parametrize("kernel", ["moe_lora_gemv", "moe_lora_gemv_terms"])
+def test_decode_expert_adapters_read_a_and_b_in_vectors(counts, kernel):
     # A rows (contiguous along K) and B rows (rank-wide, masked at the rank rounded to 8),
-    # copied to shared memory by the pipelined loops.
-    c = counts["moe_lora_gemv"]
+    # copied to shared memory by the pipelined loops; also where every pair's row is
+    # written (zeros without an adapter) as a weighted bf16 term of the top-k sum.
+    c = counts[kernel]
     assert c.get("cp.async.16", 0) >= 2 and c.get("ld.b16", 0) == 0, c
 
 
