@@ -139,7 +139,7 @@ def kernels() -> dict:
     out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, lora_gemv, num_warps=8)
     # The down deltas as bf16 terms of the top-k sum (rows of [T, top_k, 2, H]: stride 2 H).
     out["moe_lora_gemv_terms"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
-        lora_gemv, delta_ptr=bf, stride_dm=4 * inter, ZERO_UNCOVERED=const(True), MUL_WEIGHT=const(True)),
+        lora_gemv, delta_ptr=bf, stride_dm=4 * inter, TERMS=const(True)),
         num_warps=8)
     out["race_sample"] = compile_ptx(mod("sample")._race_partial_kernel, dict(
         logits_ptr=f32, temperature_ptr=f32, seeds_ptr="*i64", best_ptr=f32, best_id_ptr=i32,

@@ -400,7 +400,6 @@ def test_grouped_lora_add(counts, n_cols, rank, dtype):
         start = end
 
 
-
 def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
     """Decode-sized steps: the down GEMM gets no delta (its adapter kernel need not run
     first); the adapter kernel writes every pair's delta times its routing weight (zeros

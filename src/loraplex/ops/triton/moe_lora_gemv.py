@@ -12,7 +12,9 @@ CUDA graph serves any routing and adapter mix. The shrunk [R] row stays in regis
 with N_SPLIT > 1 each program recomputes it (A again, from L2) and expands its share of
 B's rows, so that a step's few pairs still fill the GPU. Pairs of tokens without an
 adapter on these experts exit at once; their delta rows are never written (the grouped
-GEMM does not read them). Without B (EXPAND off) each pair's shrunk [R] row is the
+GEMM does not read them), except where the deltas are terms of the top-k sum (TERMS:
+times the routing weight, in the output's dtype beside the GEMM's rows, every row
+written, zeros for those pairs; fused_moe.py). Without B (EXPAND off) each pair's shrunk [R] row is the
 output: the GEMV form of the expert GEMMs expands it (moe_gemv_quant.py).
 """
 
@@ -44,8 +46,8 @@ def _moe_lora_gemv_kernel(
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, ZERO_UNCOVERED: tl.constexpr = False,
-    MUL_WEIGHT: tl.constexpr = False, PDL: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, TERMS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     pair = tl.program_id(0)
@@ -65,7 +67,7 @@ def _moe_lora_gemv_kernel(
     else:
         a_mask = r < R
         b_mask = a_mask
-    if ZERO_UNCOVERED:  # run through with nothing read: shrunk 0, zeros stored
+    if TERMS:  # every row written: uncovered pairs run through reading nothing (zeros stored)
         a_mask = tl.where(valid, a_mask, False)  # (a scalar & a tile: the interpreter's mask breaks)
         b_mask = tl.where(valid, b_mask, False)
     elif not valid:
@@ -90,7 +92,7 @@ def _moe_lora_gemv_kernel(
         tl.store(delta_ptr + pair.to(tl.int64) * stride_dm + r, shrunk, mask=r < R)
         return
 
-    if MUL_WEIGHT:  # the routing weight, applied before the one rounding to delta's dtype
+    if TERMS:  # the routing weight, applied before the one rounding to delta's dtype
         shrunk *= tl.load(weights_ptr + pair)
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + r[None, :]
     out_row = delta_ptr + pair.to(tl.int64) * stride_dm
@@ -142,8 +144,7 @@ def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.T
         TOP_K=top_k, ROW_DIV=row_div, R=rank, BLOCK_R=block_r,
         HAS_MASK=slot_mask is not None, HAS_RANKS=ranks is not None, N_SPLIT=n_split,
         BLOCK_K=block_k, BLOCK_N=block_n, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        NUM_STAGES=NUM_STAGES, EXPAND=expand, ZERO_UNCOVERED=weights is not None,
-        MUL_WEIGHT=weights is not None, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, EXPAND=expand, TERMS=weights is not None, num_warps=NUM_WARPS,
         **pdl(),
     )
 
