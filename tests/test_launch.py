@@ -90,6 +90,17 @@ def test_kernels_on_a_side_stream_launch_without_pdl(monkeypatch):
     assert launch.pdl() == {"PDL": True, "launch_pdl": True}
 
 
+def test_work_beside_no_side_stream_stays_main_stream_work(monkeypatch):
+    """beside(None) (no side stream: CPU, eager steps) launches in line on the current
+    stream, with PDL as the main stream's; join(None) waits on nothing."""
+    from loraplex.ops.side_streams import beside, join
+
+    monkeypatch.setattr(launch, "_enabled", lambda: True)
+    with beside(None):
+        assert launch.pdl() == {"PDL": True, "launch_pdl": True}
+    join(None)
+
+
 def test_the_engine_enters_side_streams_only_through_on_side_stream():
     """A plain `torch.cuda.stream(...)` in the ops, layers or models would launch side work
     with PDL on."""

@@ -25,7 +25,7 @@ from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.layers.parallel import LinearShard, reduce_deferred
 from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import LoRABatch
-from loraplex.ops.side_streams import on_side_stream
+from loraplex.ops.side_streams import beside, join
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
 
@@ -107,17 +107,10 @@ class LoRALinear(nn.Module):
         """(x W^T + bias, lora_shrink's buf of x) for a step with adapters, for a consumer
         op that adds the delta itself (lora_act_and_mul)."""
         ctx = get_forward_context()
-        if ctx.aux_stream is None:
-            buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
-            return ops.linear(x, self.weight, self.bias, x_fp8), buf
-        # Shrink reads only x: run it beside the base matmul. The aux stream always starts
-        # by waiting on the main one, so memory it frees is never reused early.
-        main = torch.cuda.current_stream()
-        ctx.aux_stream.wait_stream(main)
-        with on_side_stream(ctx.aux_stream):
+        with beside(ctx.aux_stream):  # the shrink reads only x: beside the base matmul
             buf = ops.lora_shrink(x, self.lora.a, ctx.lora)
         y = ops.linear(x, self.weight, self.bias, x_fp8)
-        main.wait_stream(ctx.aux_stream)
+        join(ctx.aux_stream)
         return y, buf
 
     def _dora_rescale(self, y: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:

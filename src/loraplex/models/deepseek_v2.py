@@ -36,7 +36,7 @@ from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.models.blocks import DecoderLayer, GatedMLP
 from loraplex.models.dense import DenseCausalLM
 from loraplex.ops.formats import Fp8Rows
-from loraplex.ops.side_streams import on_side_stream
+from loraplex.ops.side_streams import beside, join
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep their class default, whatever
 # rms_norm_eps says.
@@ -112,12 +112,11 @@ class SharedExpertsMoE(SparseMoE):
             # side stream starts by waiting on this one and this one waits for it before
             # the join, so memory either frees is never reused early; inside, the shared
             # experts' LoRA runs in line (no aux stream: that one serves the routed side).
-            main, side = torch.cuda.current_stream(), side_stream(x.device)
-            side.wait_stream(main)
-            with on_side_stream(side), forward_context(replace(ctx, aux_stream=None)):
+            side = side_stream(x.device)
+            with beside(side), forward_context(replace(ctx, aux_stream=None)):
                 shared = self.shared_experts(x, x_fp8)
             routed = super().forward(x, x_fp8)
-            main.wait_stream(side)
+            join(side)
         return torch.cat((routed, shared.unsqueeze(1)), 1)  # [T, top_k + 1, H], unsummed
 
 

@@ -1,6 +1,9 @@
 """Work launched on a side stream, beside the main stream's: a LoRA shrink beside its
-base GEMM, the MoE gate/up adapter delta beside the expert alignment, DeepSeek's shared
-experts beside the routed ones.
+base GEMM, the MoE gate/up adapter delta beside the expert alignment and the down delta
+beside the down GEMM, DeepSeek's shared experts beside the routed ones. `beside` forks
+(the side stream first waits on the current one, so memory either frees is never reused
+early), `join` makes the current stream wait for the side work before its results are
+read.
 
 Kernels launched there go without programmatic dependent launch (ops/triton/launch.py):
 in gpt-oss-20b MXFP4's decode graph with 16 adapters (H200), PDL on the side stream's
@@ -28,6 +31,24 @@ def on_side_stream(stream: torch.cuda.Stream | None):
             yield
     finally:
         _ON_SIDE.reset(token)
+
+
+@contextmanager
+def beside(stream: torch.cuda.Stream | None):
+    """Launches inside go to `stream`, after the current stream's work so far, marked as
+    side work (on_side_stream); stream None: they stay on the current stream, in order."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with on_side_stream(stream):
+        yield
+
+
+def join(stream: torch.cuda.Stream | None) -> None:
+    """The current stream waits for the work launched on `stream` (beside); None: nothing."""
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def launching_on_side() -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from loraplex.ops import reference
 from loraplex.ops.formats import Fp8Rows, Fp8Weight, Int4Weight, QuantizedWeight
 from loraplex.ops.metadata import make_lora_batch
-from loraplex.ops.side_streams import on_side_stream
+from loraplex.ops.side_streams import beside, join
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
 from loraplex.ops.triton.fp8_gemm import fp8_fuses_expand, fp8_linear
@@ -92,19 +92,11 @@ def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream
     base matmul and the expand: in one kernel where the base matmul ends in a kernel of
     its own (int4 and FP8 GEMMs whose config splits K: the split-K sum), else
     lora_expand on its output."""
-    if side_stream is not None:
-        main = torch.cuda.current_stream()
-        # The side stream starts by waiting on this one, so memory it frees is never
-        # reused early.
-        side_stream.wait_stream(main)
-        with on_side_stream(side_stream):
-            buf = lora_shrink(x, lora_a, batch)
-    else:
+    with beside(side_stream):
         buf = lora_shrink(x, lora_a, batch)
 
     def joined():
-        if side_stream is not None:
-            main.wait_stream(side_stream)
+        join(side_stream)
 
     if isinstance(weight, Int4Weight) and int4_fuses_expand(x, weight):
         return int4_linear(x, weight, bias, lora=FusedExpand(buf, lora_b, tuple(slice_sizes), batch, joined))

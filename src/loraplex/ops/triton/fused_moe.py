@@ -44,7 +44,7 @@ import torch
 from loraplex.ops.formats import Fp8Rows, QuantizedWeight
 from loraplex.ops.metadata import MoELoRA
 from loraplex.ops.reference.quant import dequantize, w8a8
-from loraplex.ops.side_streams import on_side_stream
+from loraplex.ops.side_streams import beside, join
 from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
 from loraplex.ops.triton.fp8_activations import fp8_rows
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
@@ -173,19 +173,12 @@ def fused_experts(
 
         # Deltas are allocated on the current stream, so the allocator orders their reuse there.
         delta_gu = torch.empty(p, lora.b_gate_up.shape[delta_dim], dtype=torch.float32, device=dev)
-    main = torch.cuda.current_stream() if side_stream is not None else None
-    if lora is not None and side_stream is not None:
-        # The gate/up delta reads only x and the routing: it runs beside the expert
-        # alignment. The side stream starts by waiting on this one (as LoRALinear's does).
-        side_stream.wait_stream(main)
-        with on_side_stream(side_stream):
+    if lora is not None:  # the gate/up delta reads only x and the routing: beside the alignment
+        with beside(side_stream):
             gate_up_delta()
-        align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
-        main.wait_stream(side_stream)
-    else:
-        align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
-        if lora is not None:
-            gate_up_delta()
+    align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
+    if lora is not None:
+        join(side_stream)
     align_d = (align_gu if gemv or cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
                else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
 
@@ -200,20 +193,16 @@ def fused_experts(
     y_gemm = y.view(p, -1, hidden)[:, 0]
     if delta_terms:
         delta_d = y.view(p, 2, hidden)[:, 1]
-        if side_stream is None:
+        with beside(side_stream):
             adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d, weights.view(-1))
-        else:
-            side_stream.wait_stream(main)
-            with on_side_stream(side_stream):
-                adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d, weights.view(-1))
     elif lora is not None:
         delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     _expert_gemm(h, w_down, b_down, y_gemm, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
                  delta=None if delta_terms else delta_d, lora=lora, top_k=top_k,
                  lora_b=lora.b_down if gemv_expands else None)
-    if delta_terms and side_stream is not None:
-        main.wait_stream(side_stream)
+    if delta_terms:
+        join(side_stream)
     y = y.view(t, -1, hidden)  # [T, top_k (x 2), H]
     return y.sum(1) if sum_topk else y
 
