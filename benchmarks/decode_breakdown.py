@@ -141,6 +141,12 @@ def build_parser():
     p.add_argument("--lora-min-split-k", type=int, default=None,
                    help="FP8 projections with adapters in decode: split K at least this many ways (the "
                         "LoRA expand joins the split-K sum); 1: the tuned split as it is")
+    p.add_argument("--sparse-expert-deltas", action="store_true",
+                   help="MoE adapters in decode: the delta kernels write only covered pairs' rows and the "
+                        "expert GEMMs load each pair's slot and mask before its row (the aligned form's way)")
+    p.add_argument("--operands-after-loop", action="store_true",
+                   help="expert GEMMs: load bias, routing weights and deltas after the main loop, "
+                        "even where no dependent chain precedes them")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -192,6 +198,11 @@ def main(argv=None):
         fp8_gemm.LORA_MIN_SPLIT_K = args.lora_min_split_k
     if args.down_delta_in_epilogue:
         fused_moe.DOWN_DELTA_AS_TERMS = False
+    if args.sparse_expert_deltas:
+        fused_moe.GEMV_DELTAS_EVERY_ROW = False
+    if args.operands_after_loop:
+        from loraplex.ops.triton import moe_epilogue
+        moe_epilogue.OPERANDS_BEFORE_LOOP = False
 
     engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,

@@ -114,8 +114,8 @@ def kernels() -> dict:
             stride_am=k, stride_ak=1, stride_we=2 * n * k, stride_wn=k, stride_wk=1, stride_be=0,
             stride_bn=0, stride_om=n, stride_on=1, stride_dm=2 * n if fuse else n,
             ROW_DIV=const(8 if fuse else 1), HAS_BIAS=const(False), FUSE_ACT=const(fuse),
-            HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), ACTIVATION=const("silu"),
-            ALPHA=const(1.702),
+            HAS_DELTA=const(True), TOP_K=const(8), USE_SLOT_MASK=const(True), SPARSE_DELTA=const(True),
+            OPERANDS_FIRST=const(False), ACTIVATION=const("silu"), ALPHA=const(1.702),
             MUL_ROUTED_WEIGHT=const(not fuse), BLOCK_M=const(64), BLOCK_N=const(128),
             BLOCK_K=const(64), GROUP_M=const(8), EVEN_K=const(True), EVEN_N=const(True), **tf32),
             num_warps=8)
@@ -139,7 +139,7 @@ def kernels() -> dict:
     out["moe_lora_gemv"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, lora_gemv, num_warps=8)
     # The down deltas as bf16 terms of the top-k sum (rows of [T, top_k, 2, H]: stride 2 H).
     out["moe_lora_gemv_terms"] = compile_ptx(mod("moe_lora_gemv")._moe_lora_gemv_kernel, dict(
-        lora_gemv, delta_ptr=bf, stride_dm=4 * inter, TERMS=const(True)),
+        lora_gemv, delta_ptr=bf, stride_dm=4 * inter, ALL_ROWS=const(True), WEIGHTED=const(True)),
         num_warps=8)
     out["race_sample"] = compile_ptx(mod("sample")._race_partial_kernel, dict(
         logits_ptr=f32, temperature_ptr=f32, seeds_ptr="*i64", best_ptr=f32, best_id_ptr=i32,

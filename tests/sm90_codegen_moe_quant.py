@@ -46,7 +46,8 @@ def _gemm_args(fmt: str, path: str = "mx") -> dict:
     activations' scales (W8A8)."""
     a8 = fmt == "w8a8"
     return dict(MXFP4_PATH=const(path if fmt == "mxfp4" else "hand"), a_scale_ptr="*fp32",
-                stride_asm=16, W8A8=const(a8), ACT_BLOCK=const(128 if a8 else 1))
+                stride_asm=16, W8A8=const(a8), ACT_BLOCK=const(128 if a8 else 1),
+                SPARSE_DELTA=const(False), OPERANDS_FIRST=const(True))  # the decode form's delta
 
 
 def kernels() -> dict:

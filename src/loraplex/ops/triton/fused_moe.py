@@ -6,8 +6,10 @@ GEMM's. With adapters (MoELoRA) each delta must land before those, so it is comp
 first and the GEMM's epilogue adds it to its float32 accumulator: the same launches as
 the base path plus one adapter kernel per projection, and base + delta rounded once.
 Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every (slot, expert)
-group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py); larger
-ones sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
+group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py), every
+pair's row written (zeros where no adapter) so that the GEMM's epilogue loads it with
+no slot -> mask -> row chain and before its main loop (moe_epilogue.py); larger ones
+sort the pairs by (slot, expert) first and run tensor-core tiles (moe_lora.py).
 Where the experts take the GEMV form too, the adapter kernel stops at each pair's
 shrunk [R] row and the GEMV's programs expand it at their own columns: two short
 kernels in front of the GEMVs instead of two that also stream every B. (The grouped
@@ -69,6 +71,10 @@ GEMV_EXPANDS_LORA = True
 # Decode-sized steps give the down delta as terms of the top-k sum, its kernel beside the
 # down GEMM. (A switch for benchmarks: False adds it in the GEMM's epilogue.)
 DOWN_DELTA_AS_TERMS = True
+# The GEMV-form deltas are written for every pair (zeros where no adapter), so the GEMMs
+# read each pair's row without loading its slot and the slot's mask first. (A switch for
+# benchmarks: False writes covered pairs' rows only, as the aligned form does.)
+GEMV_DELTAS_EVERY_ROW = True
 
 
 def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, int]:
@@ -149,9 +155,12 @@ def fused_experts(
 
     align_l = delta_gu = delta_d = None
     gemv_expands = False  # the deltas are shrunk rows [P, R] the GEMV expands (GEMV_EXPANDS_LORA)
+    delta_rows = lora  # which pairs' delta rows are written: those of tokens with an adapter
     if lora is not None:
         form, block_m = lora_form(t, top_k, dev)
         gemv_expands = gemv and form == "gemv" and GEMV_EXPANDS_LORA
+        if form == "gemv" and not gemv_expands and GEMV_DELTAS_EVERY_ROW:
+            delta_rows = None  # every pair's (zeros where no adapter)
         # B [L, E, N, R]: a delta row is N wide, or R where the GEMV expands it.
         delta_dim = 3 if gemv_expands else 2
 
@@ -160,7 +169,7 @@ def fused_experts(
             if align_l is None:
                 b = None if gemv_expands else b  # the shrink alone
                 moe_lora_gemv(inp, topk_ids, lora.token_slot, lora.slot_mask, ranks, a, b, delta, row_div,
-                              weights)
+                              weights, all_rows=delta_rows is None)
             else:
                 moe_lora(inp, a, b, delta, align_l, row_div, ranks)
 
@@ -184,7 +193,7 @@ def fused_experts(
 
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
     _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
-                 limit=limit, delta=delta_gu, lora=lora, top_k=top_k,
+                 limit=limit, delta=delta_gu, lora=delta_rows, top_k=top_k,
                  lora_b=lora.b_gate_up if gemv_expands else None, a_fp8=x_fp8)
     # Decode-sized steps: the down delta rows, weighted, are terms of the sum: y [T, top_k,
     # 2, H] holds each pair's GEMM row, then its delta row.
@@ -199,7 +208,7 @@ def fused_experts(
         delta_d = torch.empty(p, lora.b_down.shape[delta_dim], dtype=torch.float32, device=dev)
         adapter_delta(h, lora.a_down, lora.b_down, 1, 1, delta_d)
     _expert_gemm(h, w_down, b_down, y_gemm, align_d, cfg_d, 1, topk_ids, routed_weights=weights,
-                 delta=None if delta_terms else delta_d, lora=lora, top_k=top_k,
+                 delta=None if delta_terms else delta_d, lora=delta_rows, top_k=top_k,
                  lora_b=lora.b_down if gemv_expands else None)
     if delta_terms:
         join(side_stream)

@@ -8,11 +8,15 @@ acc holds the gate columns, acc_up the matching up columns, N on); the routing w
 thus rounded once, after the activation and the weight, as the reference computes them.
 
 `pair_operands` loads what the epilogue adds and multiplies, `store_pairs` finishes and
-stores (`finish_pairs`: both, the grouped GEMMs' epilogue); in the GEMV form
-(moe_gemv_quant.py) the first also expands each pair's shrunk adapter row at its
-columns (LORA_EXPAND). They run after the main loop: issued before it, the Qwen3-30B-A3B
-FP8 decode graph with 16 adapters took 13.54-13.67 ms against 12.80-12.96 (H100; a warp
-issues in order, so the slot -> mask -> delta chain stalls it there just the same).
+stores; in the GEMV form (moe_gemv_quant.py) the first also expands each pair's shrunk
+adapter row at its columns (LORA_EXPAND). Where a delta holds rows only for pairs of
+tokens with an adapter (SPARSE_DELTA: the aligned expert-LoRA kernel writes those
+alone), each pair's slot, then the slot's mask, then the row are three dependent loads:
+the grouped GEMMs load them after the main loop (issued before it, the Qwen3-30B-A3B FP8
+decode graph with 16 adapters took 13.54-13.67 ms against 12.80-12.96 on an H100: a warp
+issues in order, so the chain stalls it there just the same). Operands with no chain
+(bias, routing weights, a delta written for every pair: the GEMV-form kernel's) are
+loaded before the loop (`operands_first`), so they arrive while it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ import triton.language as tl
 
 from loraplex.ops.triton.moe_act import gated_act
 
+# The grouped GEMMs load chain-free epilogue operands before their main loop (a switch
+# for benchmarks: False loads them after it, as sparse deltas are).
+OPERANDS_BEFORE_LOOP = True
+
+
+def operands_first(sparse_delta: bool) -> bool:
+    """Whether a grouped GEMM loads its epilogue operands before its main loop: where no
+    slot -> mask -> delta chain is among them."""
+    return OPERANDS_BEFORE_LOOP and not sparse_delta
+
 
 @triton.jit
 def pair_operands(
@@ -32,15 +46,18 @@ def pair_operands(
     HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr,
     USE_SLOT_MASK: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
     lora_b_ptr=None, stride_lbl=0, stride_lbe=0, stride_lbn=0, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
-    LORA_EXPAND: tl.constexpr = False,
+    LORA_EXPAND: tl.constexpr = False, SPARSE_DELTA: tl.constexpr = True,
 ):
     """What store_pairs adds to and multiplies the accumulators of pairs [M] (m_mask: real
     ones), all routed to `expert`, at output columns offs_n [BLOCK_N]: (add, add_up,
     weight), add and add_up [M, BLOCK_N] float32 (bias + delta; add_up: the up columns',
     read with FUSE_ACT), weight [M] float32 (the routing weight, or 1).
-    LORA_EXPAND: delta_ptr holds each pair's shrunk row [R] instead of its delta, and the
-    delta at these columns is expanded here, from the rows of B [L, E, N(x2), R] at
-    lora_b_ptr (a gather of [M, BLOCK_N, R]: for one-pair tiles, the GEMV form)."""
+    SPARSE_DELTA: delta rows exist for pairs of tokens in a slot (>= 0, and set in
+    slot_mask with USE_SLOT_MASK) only; otherwise every pair's row is read.
+    LORA_EXPAND (with SPARSE_DELTA): delta_ptr holds each pair's shrunk row [R] instead of
+    its delta, and the delta at these columns is expanded here, from the rows of B [L, E,
+    N(x2), R] at lora_b_ptr (a gather of [M, BLOCK_N, R]: for one-pair tiles, the GEMV
+    form)."""
     add = tl.zeros((pairs.shape[0], offs_n.shape[0]), dtype=tl.float32)
     add_up = tl.zeros((pairs.shape[0], offs_n.shape[0]), dtype=tl.float32)
     if HAS_BIAS:
@@ -48,11 +65,13 @@ def pair_operands(
         add += tl.load(bias, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if FUSE_ACT:
             add_up += tl.load(bias + N * stride_bn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_DELTA:  # rows of tokens with an adapter on these experts (as align_lora keeps)
-        slot = tl.load(token_slot_ptr + pairs // TOP_K, mask=m_mask, other=-1)
-        covered = m_mask & (slot >= 0)
-        if USE_SLOT_MASK:
-            covered &= tl.load(slot_mask_ptr + slot, mask=covered, other=0) != 0
+    if HAS_DELTA:
+        covered = m_mask
+        if SPARSE_DELTA:  # rows of tokens with an adapter on these experts (as align_lora keeps)
+            slot = tl.load(token_slot_ptr + pairs // TOP_K, mask=m_mask, other=-1)
+            covered &= slot >= 0
+            if USE_SLOT_MASK:
+                covered &= tl.load(slot_mask_ptr + slot, mask=covered, other=0) != 0
         if LORA_EXPAND:
             r = tl.arange(0, BLOCK_R)
             shrunk = tl.load(delta_ptr + pairs.to(tl.int64)[:, None] * stride_dm + r[None, :],
@@ -99,33 +118,17 @@ def store_pairs(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def finish_pairs(
-    acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
-    bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
-    stride_be, stride_bn, stride_om, stride_on, stride_dm,
-    HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr, HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr,
-    USE_SLOT_MASK: tl.constexpr, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_N: tl.constexpr,
-):
-    """pair_operands then store_pairs, with whole delta rows: the grouped GEMMs' epilogue."""
-    add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
-                                        delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
-                                        stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-                                        MUL_ROUTED_WEIGHT, EVEN_N)
-    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
-                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
-
-
 def check_delta(delta, lora, lora_b, num_pairs: int, num_experts: int, n_w: int) -> None:
-    """An expert GEMM's delta: whole rows [P, n_w], or (lora_b [L, E, n_w, R] given: the
-    GEMV form, LORA_EXPAND) each pair's shrunk row, float32 [P, R], that the epilogue
-    expands."""
+    """An expert GEMM's delta: whole rows [P, n_w] (with `lora`: rows of pairs whose token
+    has an adapter on these experts alone, SPARSE_DELTA; without: every pair's), or
+    (lora_b [L, E, n_w, R] and lora given: the GEMV form, LORA_EXPAND) each pair's shrunk
+    row, float32 [P, R], that the epilogue expands."""
     if delta is None:
         assert lora_b is None
         return
     width = lora_b.shape[3] if lora_b is not None else n_w
-    assert lora is not None and delta.shape == (num_pairs, width) and delta.stride(1) == 1, delta.shape
+    assert lora is not None or lora_b is None
+    assert delta.shape == (num_pairs, width) and delta.stride(1) == 1, delta.shape
     if lora_b is not None:
         assert delta.dtype == torch.float32 and lora_b.shape[1:3] == (num_experts, n_w), lora_b.shape
         assert lora_b.stride(3) == 1, lora_b.stride()

@@ -29,7 +29,7 @@ from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_align import Alignment
 from loraplex.ops.triton.moe_configs import tuned_config, weight_format
-from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
+from loraplex.ops.triton.moe_epilogue import check_delta, operands_first, pair_operands, store_pairs
 from loraplex.ops.triton.precision import dot_settings
 
 # Untuned defaults by average pairs per expert (T * top_k / E): few rows make a GEMV
@@ -74,6 +74,7 @@ def _moe_gemm_kernel(
     stride_om, stride_on, stride_dm,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
     HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
+    SPARSE_DELTA: tl.constexpr, OPERANDS_FIRST: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -102,6 +103,11 @@ def _moe_gemm_kernel(
     w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # W.T tile [BLOCK_K, BLOCK_N]
     up_cols = w_cols + N * stride_wn  # FUSE_ACT: the up rows sit I = N rows below the gate's
 
+    if OPERANDS_FIRST:  # no dependent loads among them: in flight during the main loop
+        add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
+                                            delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
+                                            stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
+                                            MUL_ROUTED_WEIGHT, EVEN_N, SPARSE_DELTA=SPARSE_DELTA)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -113,11 +119,13 @@ def _moe_gemm_kernel(
             u = col_tile(up_cols, k, K, n_mask, stride_wk, EVEN_K, UPCAST)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
 
-    finish_pairs(acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
-                 bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
-                 stride_be, stride_bn, stride_om, stride_on, stride_dm,
-                 HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
-                 MUL_ROUTED_WEIGHT, EVEN_N)
+    if not OPERANDS_FIRST:
+        add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
+                                            delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
+                                            stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
+                                            MUL_ROUTED_WEIGHT, EVEN_N, SPARSE_DELTA=SPARSE_DELTA)
+    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
+                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm(
@@ -129,8 +137,9 @@ def moe_gemm(
     """out[pair] = A[pair // row_div] @ W[e].T (+ bias[e]) for the pairs of `align`;
     with `activation`, out [P, N / 2] = act(gate) * up; with routed_weights (float32,
     contiguous [T, top_k]), rows scaled by their routing weight. a [rows, K]; w [E, N, K].
-    With delta [P, N] (and `lora` for which tokens have one, pair p being token
-    p // top_k's), delta[pair] joins the product before the activation and the weight."""
+    With delta [P, N], delta[pair] joins the product before the activation and the
+    weight: with `lora`, only at pairs whose token (p // top_k) has an adapter on these
+    experts (the rows the aligned expert-LoRA kernel writes); without, at every pair."""
     assert cfg["BLOCK_M"] == align.block_m, (cfg, align.block_m)
     n = w.shape[1] // 2 if activation else w.shape[1]
     assert a.shape[1] == w.shape[2] and out.shape == (align.num_pairs, n), (a.shape, w.shape, out.shape)
@@ -150,6 +159,7 @@ def moe_gemm(
         ROW_DIV=row_div, HAS_BIAS=bias is not None, FUSE_ACT=activation is not None,
         HAS_DELTA=delta is not None, TOP_K=top_k,
         USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
+        SPARSE_DELTA=lora is not None, OPERANDS_FIRST=operands_first(delta is not None and lora is not None),
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],

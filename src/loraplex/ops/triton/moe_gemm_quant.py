@@ -53,7 +53,7 @@ from loraplex.ops.reference.quant import w8a8
 from loraplex.ops.triton.gemm_tiles import row_tile
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_align import Alignment
-from loraplex.ops.triton.moe_epilogue import check_delta, finish_pairs
+from loraplex.ops.triton.moe_epilogue import check_delta, operands_first, pair_operands, store_pairs
 from loraplex.ops.triton.precision import dot_settings
 from loraplex.ops.triton.quant_tiles import (
     even_odd,
@@ -81,6 +81,7 @@ def _moe_gemm_quant_kernel(
     W8A8: tl.constexpr, ACT_BLOCK: tl.constexpr,
     ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_ACT: tl.constexpr,
     HAS_DELTA: tl.constexpr, TOP_K: tl.constexpr, USE_SLOT_MASK: tl.constexpr,
+    SPARSE_DELTA: tl.constexpr, OPERANDS_FIRST: tl.constexpr,
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -111,6 +112,11 @@ def _moe_gemm_quant_kernel(
     s_cols = scale_ptr + expert * stride_se + offs_n[None, :] * stride_sn
     up_cols, up_s_cols = w_cols + N * stride_wn, s_cols + N * stride_sn  # FUSE_ACT: up rows, I on
 
+    if OPERANDS_FIRST:  # no dependent loads among them: in flight during the main loop
+        add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
+                                            delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
+                                            stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
+                                            MUL_ROUTED_WEIGHT, EVEN_N, SPARSE_DELTA=SPARSE_DELTA)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -174,11 +180,13 @@ def _moe_gemm_quant_kernel(
                              SCALE_PER_STEP, EVEN_K, a_ptr, UPCAST)
                 acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PRECISION)
 
-    finish_pairs(acc, acc_up, expert, pairs, m_mask, offs_n, n_mask, N, limit,
-                 bias_ptr, out_ptr, weights_ptr, delta_ptr, token_slot_ptr, slot_mask_ptr,
-                 stride_be, stride_bn, stride_om, stride_on, stride_dm,
-                 HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK, ACTIVATION, ALPHA,
-                 MUL_ROUTED_WEIGHT, EVEN_N)
+    if not OPERANDS_FIRST:
+        add, add_up, weight = pair_operands(expert, pairs, m_mask, offs_n, n_mask, N, bias_ptr, weights_ptr,
+                                            delta_ptr, token_slot_ptr, slot_mask_ptr, stride_be, stride_bn,
+                                            stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
+                                            MUL_ROUTED_WEIGHT, EVEN_N, SPARSE_DELTA=SPARSE_DELTA)
+    store_pairs(acc, acc_up, add, add_up, weight, pairs, m_mask, offs_n, n_mask, limit, out_ptr, stride_om,
+                stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT, EVEN_N)
 
 
 def moe_gemm_quant(
@@ -220,6 +228,7 @@ def moe_gemm_quant(
         HAS_BIAS=bias is not None,
         FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
         USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
+        SPARSE_DELTA=lora is not None, OPERANDS_FIRST=operands_first(delta is not None and lora is not None),
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],

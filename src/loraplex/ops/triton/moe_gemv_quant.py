@@ -83,7 +83,7 @@ def _moe_gemv_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, PTX: tl.constexpr, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
-    LORA_EXPAND: tl.constexpr = False, PDL: tl.constexpr = False,
+    LORA_EXPAND: tl.constexpr = False, SPARSE_DELTA: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
@@ -161,7 +161,8 @@ def _moe_gemv_quant_kernel(
     add, add_up, weight = pair_operands(
         expert, pairs, pairs < num_pairs, offs_n, n_mask, N, bias_ptr, weights_ptr, delta_ptr, token_slot_ptr,
         slot_mask_ptr, stride_be, stride_bn, stride_dm, HAS_BIAS, FUSE_ACT, HAS_DELTA, TOP_K, USE_SLOT_MASK,
-        MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, R, BLOCK_R, LORA_EXPAND)
+        MUL_ROUTED_WEIGHT, EVEN_N, lora_b_ptr, stride_lbl, stride_lbe, stride_lbn, R, BLOCK_R, LORA_EXPAND,
+        SPARSE_DELTA)
     store_pairs(acc1[None, :], acc1_up[None, :], add, add_up, weight, pairs, pairs < num_pairs, offs_n,
                 n_mask, limit, out_ptr, stride_om, stride_on, FUSE_ACT, ACTIVATION, ALPHA, MUL_ROUTED_WEIGHT,
                 EVEN_N)
@@ -207,7 +208,7 @@ def moe_gemv_quant(
         *(lora_b.stride()[:3] if lora_b is not None else (0, 0, 0)),
         **args, ROW_DIV=row_div, HAS_BIAS=bias is not None,
         FUSE_ACT=activation is not None, HAS_DELTA=delta is not None, TOP_K=top_k,
-        USE_SLOT_MASK=lora is not None and lora.slot_mask is not None,
+        USE_SLOT_MASK=lora is not None and lora.slot_mask is not None, SPARSE_DELTA=lora is not None,
         ACTIVATION=activation or "none", ALPHA=SWIGLU_OAI_ALPHA,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=k % cfg["BLOCK_K"] == 0,

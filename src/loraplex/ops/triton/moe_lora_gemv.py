@@ -11,11 +11,13 @@ reduced in registers; no alignment, and the grid depends on the pair count alone
 CUDA graph serves any routing and adapter mix. The shrunk [R] row stays in registers;
 with N_SPLIT > 1 each program recomputes it (A again, from L2) and expands its share of
 B's rows, so that a step's few pairs still fill the GPU. Pairs of tokens without an
-adapter on these experts exit at once; their delta rows are never written (the grouped
-GEMM does not read them), except where the deltas are terms of the top-k sum (TERMS:
-times the routing weight, in the output's dtype beside the GEMM's rows, every row
-written, zeros for those pairs; fused_moe.py). Without B (EXPAND off) each pair's shrunk [R] row is the
-output: the GEMV form of the expert GEMMs expands it (moe_gemv_quant.py).
+adapter on these experts exit at once and their delta rows are left unwritten, unless
+every row is to be written (ALL_ROWS: zeros for those pairs), so that the grouped GEMM
+adding the deltas reads each pair's row without first loading its token's slot and the
+slot's mask (fused_moe.py). Where the deltas are terms of the top-k sum (WEIGHTED, with
+ALL_ROWS) each is multiplied by its routing weight and written in the output's dtype
+beside the GEMM's rows. Without B (EXPAND off) each pair's shrunk [R] row is the output:
+the GEMV form of the expert GEMMs expands it (moe_gemv_quant.py).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def _moe_lora_gemv_kernel(
     TOP_K: tl.constexpr, ROW_DIV: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_RANKS: tl.constexpr, N_SPLIT: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, TERMS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    NUM_STAGES: tl.constexpr, EXPAND: tl.constexpr = True, ALL_ROWS: tl.constexpr = False,
+    WEIGHTED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     pair = tl.program_id(0)
@@ -67,7 +69,7 @@ def _moe_lora_gemv_kernel(
     else:
         a_mask = r < R
         b_mask = a_mask
-    if TERMS:  # every row written: uncovered pairs run through reading nothing (zeros stored)
+    if ALL_ROWS:  # uncovered pairs run through reading nothing (zeros stored)
         a_mask = tl.where(valid, a_mask, False)  # (a scalar & a tile: the interpreter's mask breaks)
         b_mask = tl.where(valid, b_mask, False)
     elif not valid:
@@ -92,7 +94,7 @@ def _moe_lora_gemv_kernel(
         tl.store(delta_ptr + pair.to(tl.int64) * stride_dm + r, shrunk, mask=r < R)
         return
 
-    if TERMS:  # the routing weight, applied before the one rounding to delta's dtype
+    if WEIGHTED:  # the routing weight, applied before the one rounding to delta's dtype
         shrunk *= tl.load(weights_ptr + pair)
     b_rows = b_ptr + slot * stride_bl + expert * stride_be + r[None, :]
     out_row = delta_ptr + pair.to(tl.int64) * stride_dm
@@ -111,13 +113,13 @@ def _moe_lora_gemv_kernel(
 def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.Tensor,
                   slot_mask: torch.Tensor | None, ranks: torch.Tensor | None,
                   lora_a: torch.Tensor, lora_b: torch.Tensor | None, delta: torch.Tensor,
-                  row_div: int, weights: torch.Tensor | None = None) -> None:
+                  row_div: int, weights: torch.Tensor | None = None, all_rows: bool = False) -> None:
     """delta[pair] = (inp[pair // row_div] @ A[s, e].T) @ B[s, e].T for every pair whose
     token (pair // top_k) is in a slot s >= 0 with slot_mask[s] != 0; e = topk_ids.flat[pair].
-    Other rows are left as they are. lora_a [L, E, R, K]; lora_b [L, E, N, R]; delta
-    float32 [P, N]; ranks int32 [L] (A/B zero past them) or None. weights (float32 [P],
-    the routing weights; with lora_b): delta[pair] times weights[pair], rounded once to
-    delta's dtype (any), every row written (zero where no adapter). lora_b None: the
+    Other rows are left as they are, or (all_rows) set to zero. lora_a [L, E, R, K];
+    lora_b [L, E, N, R]; delta float32 [P, N]; ranks int32 [L] (A/B zero past them) or
+    None. weights (float32 [P], the routing weights; with lora_b, implies all_rows):
+    delta[pair] times weights[pair], rounded once to delta's dtype (any). lora_b None: the
     shrink alone, delta [P, R] = inp[pair // row_div] @ A[s, e].T (the GEMV form of the
     expert GEMMs expands it in its epilogue: moe_gemv_quant.py)."""
     t, top_k = topk_ids.shape
@@ -144,7 +146,8 @@ def moe_lora_gemv(inp: torch.Tensor, topk_ids: torch.Tensor, token_slot: torch.T
         TOP_K=top_k, ROW_DIV=row_div, R=rank, BLOCK_R=block_r,
         HAS_MASK=slot_mask is not None, HAS_RANKS=ranks is not None, N_SPLIT=n_split,
         BLOCK_K=block_k, BLOCK_N=block_n, EVEN_K=k % block_k == 0, EVEN_N=n % block_n == 0,
-        NUM_STAGES=NUM_STAGES, EXPAND=expand, TERMS=weights is not None, num_warps=NUM_WARPS,
+        NUM_STAGES=NUM_STAGES, EXPAND=expand, ALL_ROWS=all_rows or weights is not None,
+        WEIGHTED=weights is not None, num_warps=NUM_WARPS,
         **pdl(),
     )
 
