@@ -172,11 +172,11 @@ def test_gpt_oss_fp8_at_load_time(gpt_oss_dir):
     assert isinstance(experts.gate_up_proj, Fp8Weight) and isinstance(experts.down_proj, Fp8Weight)
     assert isinstance(layer.self_attn.o_proj.weight, Fp8Weight)
     assert isinstance(layer.mlp.router.weight, torch.nn.Parameter)
-    bf16 = make_llm(gpt_oss_dir).engine.runner.model.model.layers[0].mlp.experts
+    # The checkpoint's float32 values are what gets quantized (a bf16 model would round
+    # them first: one bf16 step apart in places); bit for bit on the weights' device.
+    f32 = make_llm(gpt_oss_dir, dtype="float32").engine.runner.model.model.layers[0].mlp.experts
     for name in ("gate_up_proj", "down_proj"):
-        # Bit for bit on the weights' own device (on an H200 some values came out one bf16
-        # step apart from the CPU's quantization of the same weights).
-        want = dequantize(quantize_fp8(getattr(bf16, name).detach(), 128))
+        want = dequantize(quantize_fp8(getattr(f32, name).detach(), 128)).to(getattr(experts, name).dtype)
         assert torch.equal(dequantize(getattr(experts, name)), want), name
     out = llm.generate(random_prompts(1, (10, 12), seed=4), SP)[0].outputs[0]
     assert len(out.token_ids) == NUM_NEW
