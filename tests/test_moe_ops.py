@@ -403,6 +403,14 @@ def test_grouped_lora_add(counts, n_cols, rank, dtype):
         start = end
 
 
+def test_epilogue_operands_come_before_the_loop_in_decode_tiles_without_a_chain():
+    """The grouped GEMMs load bias, routing weights and dense deltas before their main loop
+    in decode-sized tiles; a sparse delta (slot -> mask -> row) and prompt-sized tiles after."""
+    assert moe_epilogue.operands_first(sparse_delta=False, block_m=16)
+    assert not moe_epilogue.operands_first(sparse_delta=True, block_m=16)
+    assert not moe_epilogue.operands_first(sparse_delta=False, block_m=64)
+
+
 def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
     """Decode-sized steps: the down GEMM gets no delta (its adapter kernel need not run
     first); the adapter kernel writes every pair's delta times its routing weight (zeros

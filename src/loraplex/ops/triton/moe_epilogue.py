@@ -27,15 +27,18 @@ import triton.language as tl
 
 from loraplex.ops.triton.moe_act import gated_act
 
-# The grouped GEMMs load chain-free epilogue operands before their main loop (a switch
-# for benchmarks: False loads them after it, as sparse deltas are).
+# The grouped GEMMs load chain-free epilogue operands before their main loop in tiles of
+# up to this many pairs (decode steps, where it was timed; a prompt step's 64-row tiles
+# would hold 6-16 more registers a thread through the loop, untimed). A switch for
+# benchmarks: False loads them after it, as sparse deltas are.
 OPERANDS_BEFORE_LOOP = True
+OPERANDS_FIRST_MAX_BLOCK_M = 16
 
 
-def operands_first(sparse_delta: bool) -> bool:
-    """Whether a grouped GEMM loads its epilogue operands before its main loop: where no
-    slot -> mask -> delta chain is among them."""
-    return OPERANDS_BEFORE_LOOP and not sparse_delta
+def operands_first(sparse_delta: bool, block_m: int) -> bool:
+    """Whether a grouped GEMM with tiles of block_m pairs loads its epilogue operands before
+    its main loop: where no slot -> mask -> delta chain is among them."""
+    return OPERANDS_BEFORE_LOOP and not sparse_delta and block_m <= OPERANDS_FIRST_MAX_BLOCK_M
 
 
 @triton.jit
