@@ -16,7 +16,8 @@ the grouped GEMMs load them after the main loop (issued before it, the Qwen3-30B
 decode graph with 16 adapters took 13.54-13.67 ms against 12.80-12.96 on an H100: a warp
 issues in order, so the chain stalls it there just the same). Operands with no chain
 (bias, routing weights, a delta written for every pair: the GEMV-form kernel's) are
-loaded before the loop (`operands_first`), so they arrive while it runs.
+loaded before the loop in decode-sized tiles (`operands_first`), so they arrive while
+it runs.
 """
 
 from __future__ import annotations
