@@ -11,7 +11,7 @@
 #        tune-int4 tune-fp8 gemms-int4 |
 #        spec-cost | pdl | down-terms |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
-#        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek
+#        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
 # (default ~/.cache/loraplex/bench), shared by the scripts and `loraplex bench`.
 set -u
@@ -164,6 +164,15 @@ for step in $STEPS; do
           --lora-targets "${T[@]}" $only --num-prompts ${PROMPTS:-32} --max-concurrency 16 --input-len 1600 \
           --output-len 600 --cache-dir "$CACHE" --result-json "$OUT/$name.json" 2>&1 | grep -v "it/s" > "$OUT/$name.txt"
         grep -E "^\| deepseek|distinct|TPOT median" "$OUT/$name.txt" | tail -5
+      done ;;
+    spec-deepseek)  # LOG.md "DeepSeek V3's speculation test on a GPU": speculation against plain
+      # decoding on the V3 variants, Triton kernels in float32 and bf16, the torch ops in bf16
+      for mode in "float32 auto" "bfloat16 auto" "bfloat16 torch"; do
+        set -- $mode
+        LORAPLEX_TEST_DEVICE=cuda LORAPLEX_TEST_DTYPE=$1 LORAPLEX_TEST_BACKEND=$2 timeout 200 python3 -m pytest \
+          -p no:cacheprovider -rfE --tb=short tests/test_deepseek.py -k "speculation and v3" \
+          > "$OUT/spec-deepseek-$1-$2.log" 2>&1
+        echo "$1 $2: $(grep -E "^(FAILED|ERROR)" "$OUT/spec-deepseek-$1-$2.log" | head -3) $(tail -1 "$OUT/spec-deepseek-$1-$2.log")"
       done ;;
     cold)  # RESULTS: "1,000 cold adapters" (registry; the step profile says where time goes)
       # (COLD_ARGS=--sample-stacks adds where the engine thread is, at a cost: its sampler
