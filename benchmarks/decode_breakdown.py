@@ -147,6 +147,9 @@ def build_parser():
     p.add_argument("--operands-after-loop", action="store_true",
                    help="expert GEMMs: load bias, routing weights and deltas after the main loop, "
                         "even where no dependent chain precedes them")
+    p.add_argument("--unpadded-scales", action="store_true",
+                   help="MXFP4 experts: scale rows stored unpadded, read with a mask along K (byte loads "
+                        "outside the K loop's pipeline) instead of whole steps of padded rows")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -203,6 +206,9 @@ def main(argv=None):
     if args.operands_after_loop:
         from loraplex.ops.triton import moe_epilogue
         moe_epilogue.OPERANDS_BEFORE_LOOP = False
+    if args.unpadded_scales:
+        from loraplex.ops.formats import Mxfp4Weight
+        Mxfp4Weight.SCALE_ROW_ALIGN = 1
 
     engine, runner, loras = harness.decode_engine(args, measure_moe_routing=args.routing_stats)
     results = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -142,6 +143,7 @@ def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form)
     from loraplex.ops.triton.moe_align import align_experts
     from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant, mxfp4_path
     from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
+    from loraplex.ops.triton.quant_tiles import format_args
 
     gen = torch.Generator().manual_seed(1)
     e, n, k = 2, 40, 96
@@ -162,7 +164,16 @@ def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form)
             # the smallest scale, 2^-127 (subnormal), multiplies as 0: its blocks (values
             # below 2e-38; quantizers give it only to all-zero blocks) read as zeros
             want[(w.scale == 0).repeat_interleave(32, dim=-1)] = 0
-    for expert in range(e):
+    # MXFP4 scales as Mxfp4Weight stores them (rows padded: K steps past K read padding)
+    # and made contiguous (read with a mask along K).
+    weights = [w]
+    if fmt == "mxfp4":
+        assert format_args(w, cfg["BLOCK_K"])["PADDED_SCALES"]
+        unpadded = copy.deepcopy(w)
+        unpadded.scale = w.scale.contiguous()
+        assert not format_args(unpadded, cfg["BLOCK_K"])["PADDED_SCALES"]
+        weights.append(unpadded)
+    for w, expert in itertools.product(weights, range(e)):
         ids = torch.full((k, 1), expert, dtype=torch.int32, device=DEVICE)
         out = torch.empty(k, n, dtype=dtype, device=DEVICE)
         if form == "gemv":

@@ -127,7 +127,14 @@ class Int4Weight(QuantizedWeight):
 
 
 class Mxfp4Weight(QuantizedWeight):
+    """`scale` [..., N, K / 32] is a view of rows stored SCALE_ROW_ALIGN-aligned, the
+    padding 127 (a scale of 1): kernels whose K steps run past K read the padding
+    (padded_scales), not a mask per scale, so a step's scales of a row are one aligned
+    vector load (quant_tiles.mxfp4_scales says why that matters). A copy made
+    contiguous (`.to`, `.contiguous`) loses the padding and is read the masked way."""
+
     values_per_element = 2
+    SCALE_ROW_ALIGN = 16
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device=None):
         super().__init__()
@@ -135,9 +142,35 @@ class Mxfp4Weight(QuantizedWeight):
         assert k % MXFP4_BLOCK == 0, shape
         self.dtype = dtype
         self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scale", torch.empty(*lead, n, k // MXFP4_BLOCK, dtype=torch.uint8,
-                                                  device=device))
+        self.register_buffer("scale", self._padded_rows((*lead, n, k // MXFP4_BLOCK), device))
         self._max_scale: tuple | None = None  # ((scale's storage, version), its largest value)
+
+    @classmethod
+    def _padded_rows(cls, shape: tuple[int, ...], device) -> torch.Tensor:
+        """An e8m0 tensor of `shape`, a view of rows padded to SCALE_ROW_ALIGN with 127."""
+        *lead, groups = shape
+        stored = -(-groups // cls.SCALE_ROW_ALIGN) * cls.SCALE_ROW_ALIGN
+        return torch.full((*lead, stored), 127, dtype=torch.uint8, device=device)[..., :groups]
+
+    def _apply(self, fn, recurse=True):
+        """Module moves (`.to(device)`) copy a strided view as a contiguous tensor: pad
+        the scale rows again."""
+        super()._apply(fn, recurse)
+        if not self.padded_scales(self.scale.shape[-1]):
+            padded = self._padded_rows(tuple(self.scale.shape), self.scale.device)
+            self.scale = padded.copy_(self.scale)
+        return self
+
+    def padded_scales(self, groups: int) -> bool:
+        """Whether every row's scales may be read as `groups` values (a kernel's whole K
+        steps): rows SCALE_ROW_ALIGN-aligned and at least that long in storage (past K,
+        padding, or the scales of the rest of K where this is a slice along K: finite
+        either way, and met by masked-out values), the last row's inside the storage."""
+        s = self.scale
+        if s.dim() < 2 or s.stride(-1) != 1 or s.stride(-2) < groups or s.stride(-2) % self.SCALE_ROW_ALIGN:
+            return False
+        last = s.storage_offset() + sum((d - 1) * st for d, st in zip(s.shape[:-1], s.stride()[:-1]))
+        return s.numel() > 0 and last + groups <= s.untyped_storage().nbytes()
 
     def max_scale(self) -> int | None:
         """The largest e8m0 scale (kernels pick their decoding by it), computed once per

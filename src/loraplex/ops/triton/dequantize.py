@@ -26,8 +26,8 @@ TILES = {"mxfp4": (8, 1024, 4), "fp8": (4, 1024, 4)}
 
 
 @triton.jit
-def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                             UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, stride_sr, BLOCK_R: tl.constexpr,
+                             BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_K values a row: BLOCK_K / 2 bytes, one e8m0 scale per 16 of them, loaded
     once and broadcast; low and high nibbles interleaved in registers (tl.join) so the
     row is stored contiguously."""
@@ -38,7 +38,7 @@ def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, BLOCK_R: tl.con
     row_mask = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
     data = tl.load(data_ptr + r64 * (K // 2) + j[None, :], mask=row_mask & (j < K // 2)[None, :], other=0)
-    scale = e8m0(tl.load(scale_ptr + r64 * (K // 32) + g[None, :], mask=row_mask & (g < K // 32)[None, :],
+    scale = e8m0(tl.load(scale_ptr + r64 * stride_sr + g[None, :], mask=row_mask & (g < K // 32)[None, :],
                          other=127).to(tl.int32))
     data = data.to(tl.int32)
     low = tl.reshape(e2m1(data & 15), (BLOCK_R, BLOCK_K // 32, 16)) * scale[:, :, None]
@@ -63,20 +63,22 @@ def _fp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, NUM_SCALES, BLOCK
 
 
 def dequantize(w: Mxfp4Weight | Fp8Weight) -> torch.Tensor:
-    """dequantize(w) [..., N, K] in w.dtype (its buffers contiguous, as formats make them)."""
+    """dequantize(w) [..., N, K] in w.dtype."""
     shape, k = w.shape, w.shape[-1]
     out = torch.empty(shape, dtype=w.dtype, device=w.data.device)
     rows = out.numel() // k if k else 0
     if rows == 0:
         return out
-    data, scale = w.data.contiguous(), w.scale.contiguous()
+    data = w.data.contiguous()
     block_r, block_k, warps = TILES["mxfp4" if isinstance(w, Mxfp4Weight) else "fp8"]
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
     if isinstance(w, Mxfp4Weight):
         assert k % MXFP4_BLOCK == 0
-        _mxfp4_dequantize_kernel[grid](data, scale, out, rows, k, BLOCK_R=block_r, BLOCK_K=block_k,
-                                       UPCAST=INTERPRETED, num_warps=warps, **pdl())
+        scale = w.scale.reshape(rows, k // MXFP4_BLOCK)  # padded rows (Mxfp4Weight) stay a view
+        _mxfp4_dequantize_kernel[grid](data, scale, out, rows, k, scale.stride(0), BLOCK_R=block_r,
+                                       BLOCK_K=block_k, UPCAST=INTERPRETED, num_warps=warps, **pdl())
     else:
+        scale = w.scale.contiguous()
         _fp8_dequantize_kernel[grid](data, scale, out, rows, k, scale.shape[-1], BLOCK_SCALE_K=w.block_k,
                                      BLOCK_R=block_r, BLOCK_K=block_k, UPCAST=INTERPRETED, num_warps=warps,
                                      **pdl())

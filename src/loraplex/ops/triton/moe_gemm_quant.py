@@ -64,6 +64,8 @@ from loraplex.ops.triton.quant_tiles import (
     mxfp4_cols,
     mxfp4_packed_cols,
     mxfp4_path,
+    mxfp4_scale_pair,
+    mxfp4_scales,
 )
 
 MIN_BLOCK_K = 32  # MXFP4: two dots of BLOCK_K / 2
@@ -85,7 +87,7 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MXFP4_PATH: tl.constexpr, PDL: tl.constexpr = False,
+    MXFP4_PATH: tl.constexpr, PADDED_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
@@ -132,22 +134,27 @@ def _moe_gemm_quant_kernel(
                 acc_up = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc_up, fast_math=True)
     elif FORMAT == "mxfp4":
         for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j holds k = 2j and 2j + 1
+            j0 = k0 // 2
             a_even, a_odd = even_odd(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
-            if MXFP4_PATH == "ptx":
-                lo, hi = mxfp4_bf16_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                         BLOCK_K // 2, EVEN_K)
+            if FUSE_ACT:
+                scale, scale_up = mxfp4_scale_pair(s_cols, N * stride_sn, j0, K_STORED, n_mask, stride_sk,
+                                                   BLOCK_K // 2, PADDED_SCALES)
             else:
-                lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                    BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                scale = mxfp4_scales(s_cols, j0, K_STORED, n_mask, stride_sk, BLOCK_K // 2, PADDED_SCALES)
+            if MXFP4_PATH == "ptx":
+                lo, hi = mxfp4_bf16_cols(w_cols, scale, j0, K_STORED, n_mask, stride_wk, BLOCK_K // 2, EVEN_K)
+            else:
+                lo, hi = mxfp4_cols(w_cols, scale, j0, K_STORED, n_mask, stride_wk, BLOCK_K // 2, EVEN_K,
+                                    a_ptr, UPCAST)
             acc = tl.dot(a_even, lo, acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a_odd, hi, acc, input_precision=DOT_PRECISION)
             if FUSE_ACT:
                 if MXFP4_PATH == "ptx":
-                    lo, hi = mxfp4_bf16_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk,
-                                             stride_sk, BLOCK_K // 2, EVEN_K)
+                    lo, hi = mxfp4_bf16_cols(up_cols, scale_up, j0, K_STORED, n_mask, stride_wk, BLOCK_K // 2,
+                                             EVEN_K)
                 else:
-                    lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                        BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                    lo, hi = mxfp4_cols(up_cols, scale_up, j0, K_STORED, n_mask, stride_wk, BLOCK_K // 2,
+                                        EVEN_K, a_ptr, UPCAST)
                 acc_up = tl.dot(a_even, lo, acc_up, input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a_odd, hi, acc_up, input_precision=DOT_PRECISION)
     elif W8A8:  # fp8, A quantized too (e4m3 rows, a scale per row and ACT_BLOCK columns)

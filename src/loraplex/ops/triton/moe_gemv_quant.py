@@ -46,6 +46,7 @@ from loraplex.ops.triton.quant_tiles import (
     mxfp4_bf16_cols,
     mxfp4_cols,
     mxfp4_path,
+    mxfp4_scales,
     operand,
 )
 
@@ -83,7 +84,8 @@ def _moe_gemv_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr, PTX: tl.constexpr, R: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
-    LORA_EXPAND: tl.constexpr = False, SPARSE_DELTA: tl.constexpr = True, PDL: tl.constexpr = False,
+    LORA_EXPAND: tl.constexpr = False, SPARSE_DELTA: tl.constexpr = True, PADDED_SCALES: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
@@ -106,21 +108,25 @@ def _moe_gemv_quant_kernel(
             x = tl.reshape(_x_row(row, k0 + offs_k, K, stride_ak, EVEN_K), (BLOCK_K // 2, 2))
             x_even, x_odd = tl.split(x)
             x_even, x_odd = x_even[:, None], x_odd[:, None]
+            scale = mxfp4_scales(s_cols, k0 // 2, K_STORED, n_mask, stride_sk, BLOCK_K // 2,
+                                  PADDED_SCALES)
             if PTX:
-                lo, hi = mxfp4_bf16_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                         BLOCK_K // 2, EVEN_K)
+                lo, hi = mxfp4_bf16_cols(w_cols, scale, k0 // 2, K_STORED, n_mask, stride_wk, BLOCK_K // 2,
+                                         EVEN_K)
             else:
-                lo, hi = mxfp4_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                    BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                lo, hi = mxfp4_cols(w_cols, scale, k0 // 2, K_STORED, n_mask, stride_wk, BLOCK_K // 2, EVEN_K,
+                                    a_ptr, UPCAST)
             acc += lo.to(tl.float32) * x_even  # two FMAs (one sum of products: FMUL, FFMA, FADD)
             acc += hi.to(tl.float32) * x_odd
             if FUSE_ACT:
+                scale_up = mxfp4_scales(up_s_cols, k0 // 2, K_STORED, n_mask, stride_sk, BLOCK_K // 2,
+                                  PADDED_SCALES)
                 if PTX:
-                    lo, hi = mxfp4_bf16_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk,
-                                             stride_sk, BLOCK_K // 2, EVEN_K)
+                    lo, hi = mxfp4_bf16_cols(up_cols, scale_up, k0 // 2, K_STORED, n_mask, stride_wk,
+                                             BLOCK_K // 2, EVEN_K)
                 else:
-                    lo, hi = mxfp4_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                        BLOCK_K // 2, EVEN_K, a_ptr, UPCAST)
+                    lo, hi = mxfp4_cols(up_cols, scale_up, k0 // 2, K_STORED, n_mask, stride_wk, BLOCK_K // 2,
+                                        EVEN_K, a_ptr, UPCAST)
                 acc_up += lo.to(tl.float32) * x_even
                 acc_up += hi.to(tl.float32) * x_odd
         acc1, acc1_up = tl.sum(acc, 0), tl.sum(acc_up, 0)

@@ -2,8 +2,8 @@
 QuantizedWeight's bytes (ops/formats): the values ops.dequantize gives, bit for bit.
 
 `mxfp4_cols` / `fp8_cols` give one K step of W.T, [BLOCK_K, N] (as gemm_tiles.col_tile
-does for a plain weight), from `cols` [1, N] pointers to the weight's rows and
-`scale_cols` [1, N] to their scales. Values are the matmul operand: computed in float32
+does for a plain weight), from `cols` [1, N] pointers to the weight's rows and their
+scales (MXFP4: the step's tile, `mxfp4_scales`; FP8: `scale_cols` [1, N] pointers). Values are the matmul operand: computed in float32
 (code x scale), rounded once to the activations' dtype (`like_ptr`'s element type) as
 dequantize rounds to w.dtype; under the interpreter (UPCAST) read back as float32
 (precision.py), the rounding kept.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.formats import Fp8Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight, QuantizedWeight
 from loraplex.ops.triton.precision import INTERPRETED
 
 FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
@@ -81,31 +81,52 @@ def fp8_values(data_ptrs, scale, mask, like_ptr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
-               EVEN_K: tl.constexpr, like_ptr, UPCAST: tl.constexpr):
+def mxfp4_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, EVEN_K: tl.constexpr,
+               like_ptr, UPCAST: tl.constexpr):
     """(W.T at the even k, W.T at the odd k) of the step whose bytes are j0 .. j0 +
     BLOCK_KH of KH = K / 2 (k = 2 j0 ..), each [BLOCK_KH, N]: what a GEMM multiplies with
-    the activations' even and odd columns (two dots, no interleaving shuffle). The step's
-    BLOCK_KH / 16 scales per column are loaded once and broadcast over their 16 bytes."""
-    data, scale = mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH, EVEN_K)
+    the activations' even and odd columns (two dots, no interleaving shuffle). `scale`:
+    the step's scales (mxfp4_scales), broadcast over their 16 bytes."""
+    data = mxfp4_data(cols, j0, KH, col_mask, stride_k, BLOCK_KH, EVEN_K)
     return mxfp4_values(data.to(tl.int32), per_byte(scale).to(tl.int32), like_ptr, UPCAST)
 
 
 @triton.jit
-def mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
-               EVEN_K: tl.constexpr):
-    """The step's bytes j0 .. j0 + BLOCK_KH of W.T, [BLOCK_KH, N] uint8, and their e8m0
-    scales, [BLOCK_KH / 16, N] (one per 16 bytes; masked ones 127, i.e. 1)."""
+def mxfp4_data(cols, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, EVEN_K: tl.constexpr):
+    """The step's bytes j0 .. j0 + BLOCK_KH of W.T, [BLOCK_KH, N] uint8."""
     j = j0 + tl.arange(0, BLOCK_KH)
-    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
     if EVEN_K:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :], other=127)
-    else:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
-                        other=127)
-    return data, scale
+        return tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
+    return tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
+
+
+@triton.jit
+def mxfp4_scales(scale_cols, j0, KH, col_mask, stride_sk, BLOCK_KH: tl.constexpr, PADDED: tl.constexpr):
+    """The e8m0 scales of the step from byte j0, [BLOCK_KH / 16, N] uint8 (one per 16
+    bytes; masked ones 127: 1). PADDED: each row's storage holds every step's scales
+    (Mxfp4Weight.padded_scales), so a step past K reads padding and needs no mask along
+    K: a column's scales of a step are then one 4-byte load (BLOCK_KH 64), which Triton's
+    pipeline copies ahead; byte loads stay out of it, and their latency stood in front
+    of each step."""
+    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
+    if PADDED:
+        return tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :], other=127)
+    return tl.load(scale_cols + g[:, None] * stride_sk, mask=col_mask[None, :] & (g * 16 < KH)[:, None],
+                   other=127)
+
+
+@triton.jit
+def mxfp4_scale_pair(scale_cols, up_offset, j0, KH, col_mask, stride_sk, BLOCK_KH: tl.constexpr,
+                     PADDED: tl.constexpr):
+    """mxfp4_scales of the columns `scale_cols` and of those up_offset on (a fused
+    gate/up weight's up rows) in one load: a thread's 4 bytes even where one tile of a
+    narrow block gives it 2 (BLOCK_N 64, 4 warps), which Triton's pipeline would not copy."""
+    both = scale_cols[:, :, None] + (tl.arange(0, 2) * up_offset)[None, None, :]  # [1, N, 2]
+    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
+    mask = col_mask[None, :, None]
+    if not PADDED:
+        mask = mask & (g * 16 < KH)[:, None, None]
+    return tl.split(tl.load(both + g[:, None, None] * stride_sk, mask=mask, other=127).to(tl.int32))
 
 
 @triton.jit
@@ -150,12 +171,11 @@ mul.rn.bf16x2 $3, t, $6;
 
 
 @triton.jit
-def mxfp4_bf16_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
-                    EVEN_K: tl.constexpr):
+def mxfp4_bf16_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, EVEN_K: tl.constexpr):
     """mxfp4_cols for bf16 operands on a GPU, decoded by _E2M1_PAIRS_ASM: (W.T at the
     even k, W.T at the odd k), each [BLOCK_KH, N] bf16, dequantize's values exactly.
     Needs every scale at most 128 (2^(s - 1) a normal bf16: Mxfp4Weight.max_scale)."""
-    data, scale = mxfp4_step(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH, EVEN_K)
+    data = mxfp4_data(cols, j0, KH, col_mask, stride_k, BLOCK_KH, EVEN_K)
     mult = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
     return tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [data, per_byte(mult)],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -287,13 +307,15 @@ KERNEL_FORMATS = (Mxfp4Weight, Fp8Weight)
 
 def format_args(w: QuantizedWeight, block_k: int) -> dict:
     """The weight-format constexprs of the quantized expert kernels for K steps of
-    block_k: FORMAT, SCALE_BLOCK (K values per scale), SCALE_PER_STEP (fp8_cols)."""
+    block_k: FORMAT, SCALE_BLOCK (K values per scale), SCALE_PER_STEP (fp8_cols),
+    PADDED_SCALES (mxfp4_scales)."""
     k = w.shape[-1]
     if isinstance(w, Mxfp4Weight):
-        return dict(FORMAT="mxfp4", SCALE_BLOCK=32, SCALE_PER_STEP=False)  # (fp8 only)
+        padded = w.padded_scales(triton.cdiv(k, block_k) * block_k // MXFP4_BLOCK)
+        return dict(FORMAT="mxfp4", SCALE_BLOCK=MXFP4_BLOCK, SCALE_PER_STEP=False, PADDED_SCALES=padded)
     if isinstance(w, Fp8Weight):
         per_step = w.block_k % block_k == 0 or w.block_k >= k
-        return dict(FORMAT="fp8", SCALE_BLOCK=w.block_k, SCALE_PER_STEP=per_step)
+        return dict(FORMAT="fp8", SCALE_BLOCK=w.block_k, SCALE_PER_STEP=per_step, PADDED_SCALES=False)
     raise TypeError(f"no Triton MoE kernel reads {type(w).__name__} experts")
 
 
