@@ -150,6 +150,9 @@ def build_parser():
     p.add_argument("--unpadded-scales", action="store_true",
                    help="MXFP4 experts: scale rows stored unpadded, read with a mask along K (byte loads "
                         "outside the K loop's pipeline) instead of whole steps of padded rows")
+    p.add_argument("--unpaired-int4-scales", action="store_true",
+                   help="int4 weights: the bf16x2 decode loads each group's scale and zero as two 2-byte "
+                        "values (outside the K loop's pipeline) instead of one paired word")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -206,6 +209,9 @@ def main(argv=None):
     if args.operands_after_loop:
         from loraplex.ops.triton import moe_epilogue
         moe_epilogue.OPERANDS_BEFORE_LOOP = False
+    if args.unpaired_int4_scales:
+        from loraplex.ops.triton import int4_gemm
+        int4_gemm._paired_words = lambda w: False
     if args.unpadded_scales:
         from loraplex.ops.formats import Mxfp4Weight
         Mxfp4Weight.SCALE_ROW_ALIGN = 1

@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl | down-terms | mxfp4-scales |
+#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -129,13 +129,20 @@ for step in $STEPS; do
           --lora-targets q_proj k_proj v_proj o_proj experts $flag \
           --out "$OUT/down-terms-gpt-oss${flag:+-epilogue}.json" | grep -E "decode graph"
       done ;;
-    mxfp4-scales)  # RESULTS: "MXFP4 scales in the K loop's pipeline" (gpt-oss's decode graphs, base and 16
+    mxfp4-scales)  # RESULTS: "Scales in the K loop's pipeline" (gpt-oss's decode graphs, base and 16
       # adapters, scale rows padded (whole steps, pipelined) and unpadded (masked byte loads))
       for flag in "" --unpadded-scales; do
         run mxfp4-scales${flag:+-unpadded} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 \
           --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
           --lora-targets q_proj k_proj v_proj o_proj experts $flag \
           --out "$OUT/mxfp4-scales${flag:+-unpadded}.json" | grep -E "decode graph|moe_gemm_quant"
+      done ;;
+    int4-scales)  # RESULTS: "Scales in the K loop's pipeline" (Llama-3.1-8B AWQ's decode graphs, 32 in
+      # flight, base and 32 adapters: (scale, zero) words copied ahead, and 2-byte loads in the loop)
+      for flag in "" --unpaired-int4-scales; do
+        run int4-scales${flag:+-unpaired} 200 decode_breakdown --model llama-3.1-8b --quantization awq \
+          --batch 32 --prompt-len 512 --adapters 32 $flag \
+          --out "$OUT/int4-scales${flag:+-unpaired}.json" | grep -E "decode graph|linear\."
       done ;;
     prefill)  # RESULTS: "Steps with prefill tokens"
       run prefill 300 profile_prefill --out "$OUT/prefill.json" | grep -E "^\[|host us" ;;

@@ -25,7 +25,8 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
     mx = fmt == "mxfp4"
     a8 = fmt == "w8a8"
     fmt = "fp8" if a8 else fmt
-    row_bytes, scales = (k // 2, k // 32) if mx else (k, -(-k // 128))
+    # MXFP4 scale rows as Mxfp4Weight stores them: padded to 16 bytes (PADDED_SCALES).
+    row_bytes, scales = (k // 2, -(-k // 32 // 16) * 16) if mx else (k, -(-k // 128))
     rows = 2 * n if fuse else n
     return dict(
         a_ptr="*fp8e4nv" if a8 else "*bf16", w_ptr="*u8" if mx else "*fp8e4nv",
@@ -36,6 +37,7 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
         stride_se=rows * scales, stride_sn=scales, stride_sk=1, stride_be=rows, stride_bn=1,
         stride_om=n, stride_on=1, stride_dm=rows,
         FORMAT=const(fmt), SCALE_BLOCK=const(32 if mx else 128), SCALE_PER_STEP=const(not mx),
+        PADDED_SCALES=const(mx),
         ROW_DIV=const(top_k if fuse else 1), HAS_BIAS=const(mx), FUSE_ACT=const(fuse), HAS_DELTA=const(True),
         TOP_K=const(top_k), USE_SLOT_MASK=const(True), ACTIVATION=const("swiglu_oai" if mx else "silu"),
         ALPHA=const(1.702), MUL_ROUTED_WEIGHT=const(not fuse), UPCAST=const(False))

@@ -470,20 +470,22 @@ from loraplex.ops.triton import int4_gemm as m
 
 n, k, group = 4096, 14336, 128  # Llama-3.1-8B's down_proj
 out = {}
-for t, split, bf16x2 in ((1, 4, False), (16, 1, False), (64, 1, False), (2048, 1, False), (1, 4, True),
-                         (32, 4, True), (64, 1, True)):
+for t, split, bf16x2, paired in ((1, 4, False, False), (16, 1, False, False), (64, 1, False, False),
+                                 (2048, 1, False, False), (1, 4, True, False), (32, 4, True, False),
+                                 (32, 4, True, True), (64, 1, True, True)):
     cfg = m.int4_config(t, n, k, group, torch.device("cpu"))
     cfg["SPLIT_K"] = split
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     args = dict(x_ptr="*bf16", q_ptr="*u8", scale_ptr="*bf16", zero_ptr="*bf16", bias_ptr="*bf16",
                 out_ptr="*fp32" if split > 1 else "*bf16", M=7, N=n, K=k, stride_xm=k, stride_qn=k // 2,
-                stride_sn=k // group, stride_sg=1, stride_os=t * n if split > 1 else 0, stride_om=n,
+                stride_sn=(2 if paired else 1) * k // group, stride_sg=2 if paired else 1,
+                stride_os=t * n if split > 1 else 0, stride_om=n,
                 GROUP=const(group), HAS_BIAS=const(True), EVEN_N=const(True), EVEN_K=const(True),
-                UPCAST=const(False), DOT_PRECISION=const("tf32"), BF16X2=const(bf16x2),
+                UPCAST=const(False), DOT_PRECISION=const("tf32"), BF16X2=const(bf16x2), PAIRED=const(paired),
                 **{a: const(v) for a, v in cfg.items()})
     c = compile_sm90(m._int4_gemm_kernel, args, nw, ns)
     ptx = c.asm["ptx"]
-    out[f"{t}{' bf16x2' if bf16x2 else ''}"] = dict(
+    out[f"{t}{' bf16x2' if bf16x2 else ''}{' paired' if paired else ''}"] = dict(
         widths(ptx), shared=c.metadata.shared, i2f=len(re.findall(r"cvt\.rn\.f32\.[us]", ptx)),
         mma=len(re.findall(r"\b(?:mma|wgmma\.mma_async)\.sync", ptx)), mul2=ptx.count("mul.rn.bf16x2"))
 print(json.dumps(out))
@@ -496,7 +498,8 @@ def test_int4_kernel_compiles_for_sm90_reading_whole_vectors():
     for an H100 (no GPU needed), with the float32 decode and the bf16x2 one: W's bytes
     and x come in 16-byte copies, nothing is read a byte at a time, the codes become
     floats without int-to-float conversions, tl.dot runs on tensor cores, and the tiles
-    fit in shared memory."""
+    fit in shared memory. With scales and zeros paired (Int4Weight), a group's two come
+    in one 4-byte copy ahead of the loop's step, not as 2-byte loads inside it."""
     import os
     import subprocess
     import sys
@@ -512,7 +515,9 @@ def test_int4_kernel_compiles_for_sm90_reading_whole_vectors():
         assert c.get("cp.async.16", 0) > 0 and c.get("ld.b8", 0) == 0 and c.get("ld.u8", 0) == 0, (t, c)
         assert c["i2f"] == 0 and c["mma"] > 0, (t, c)
         assert c.get("st.b16", 0) == 0 and 0 < c["shared"] <= 232_448, (t, c)
-        assert (c["mul2"] > 0) == t.endswith("bf16x2"), (t, c)
+        assert (c["mul2"] > 0) == ("bf16x2" in t), (t, c)
+        if t.endswith("paired"):  # (scale, zero) words copied ahead with W: no 2-byte loads
+            assert c.get("ld.b16", 0) <= 1 and c.get("cp.async.4", 0) > 0, (t, c)  # (the bias)
 
 
 # -- tuned configs and the tuner ----------------------------------------------------------

@@ -387,7 +387,8 @@ def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
     a time and weight bytes in 16 (FP8; its float32 scales in 4) or 4 (MXFP4 under
     tl.dot_scaled, whose upcast wants its own shared layout; 16 decoded in PTX) byte
     copies, a K step masked at gpt-oss's 2880 too; it
-    reads scales once per group and stores 16-byte vectors; only the bias (once per
+    reads scales once per group (the PTX decode's, padded rows of MXFP4 scales, in the
+    copies: none a byte at a time) and stores 16-byte vectors; only the bias (once per
     tile, in the wgmma accumulator's layout) may be read 2 bytes at a time. The GEMV
     reads weight rows, and its adapters' B rows, in 16-byte vectors."""
     for rows in ("decode", "prefill") + (("decode ptx", "prefill ptx") if fmt == "mxfp4" else ()):
@@ -395,6 +396,8 @@ def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
         assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
         assert c.get("ld.b16", 0) <= 4 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c
         assert c.get("ld.b8", 0) <= 4, c  # MXFP4: the step's BLOCK_K / 32 scales (gate and up)
+        if rows == "decode ptx":  # padded scale rows: whole steps copied ahead, no byte loads in the loop
+            assert c.get("ld.b8", 0) == 0, c
     gemvs = (f"gemv {fmt} {gemm}",) + ((f"gemv {fmt} {gemm} ptx",) if fmt == "mxfp4" else ())
     for name in gemvs if fmt != "w8a8" else ():  # (W8A8 experts have no GEMV form)
         c = sm90_counts[name]

@@ -99,6 +99,11 @@ class Fp8Rows(NamedTuple):
 
 
 class Int4Weight(QuantizedWeight):
+    """`scale` and `zero` [..., N, K / G] are views of one tensor of (scale, zero) pairs
+    (paired_scales): a group's two values are one 4-byte load, which the GEMM's
+    pipeline copies ahead of each K step (2-byte loads stay out of it). Module moves
+    (`.to`) copy the views apart: _apply pairs them again."""
+
     values_per_element = 2
 
     def __init__(self, shape: tuple[int, ...], group: int, dtype: torch.dtype, device=None):
@@ -107,9 +112,23 @@ class Int4Weight(QuantizedWeight):
         assert k % group == 0 and group % 2 == 0, (shape, group)
         self.group, self.dtype = group, dtype
         self.register_buffer("data", torch.empty(*lead, n, k // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scale", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
-        self.register_buffer("zero", torch.empty(*lead, n, k // group, dtype=dtype, device=device))
+        pairs = torch.empty(*lead, n, k // group, 2, dtype=dtype, device=device)
+        self.register_buffer("scale", pairs[..., 0])
+        self.register_buffer("zero", pairs[..., 1])
         self._integer_zeros: tuple | None = None  # ((zero's storage, version), the answer)
+
+    def paired_scales(self) -> bool:
+        """Whether each zero is stored right after its scale (as __init__ makes them)."""
+        s, z = self.scale, self.zero
+        return (s.stride() == z.stride() and s.dim() > 0 and s.stride(-1) == 2 and s.dtype == z.dtype
+                and z.data_ptr() == s.data_ptr() + s.element_size())
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if not self.paired_scales():
+            pairs = torch.stack((self.scale, self.zero), dim=-1)
+            self.scale, self.zero = pairs[..., 0], pairs[..., 1]
+        return self
 
     def integer_zeros(self) -> bool | None:
         """Whether every zero point is an integer in 0..127 (AWQ's and GPTQ's are 0..16):

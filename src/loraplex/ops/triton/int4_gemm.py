@@ -114,7 +114,7 @@ def _int4_gemm_kernel(
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BF16X2: tl.constexpr = False, PDL: tl.constexpr = False,
+    BF16X2: tl.constexpr = False, PAIRED: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # Grouped ordering: GROUP_M consecutive row blocks sweep the column blocks together.
@@ -154,9 +154,15 @@ def _int4_gemm_kernel(
             x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k[None, :] < K), other=0.0)
             packed = tl.load(q_rows + kb[None, :], mask=n_mask[:, None] & (kb[None, :] < K // 2), other=0)
         if BF16X2:  # decoded in bf16x2 arithmetic, even and odd k apart (bf16x2_decode)
-            g = (k0 // GROUP) * stride_sg
-            zero = tl.load(z_rows + g, mask=n_mask, other=0.0).to(tl.float32)
-            scale = tl.load(s_rows + g, mask=n_mask, other=0.0)
+            if PAIRED:  # (scale, zero) of a row's group as one 32-bit word (Int4Weight.paired_scales)
+                words = (s_rows + (k0 // GROUP) * 2).to(tl.pointer_type(tl.uint32))
+                pair = tl.load(words, mask=n_mask, other=0)
+                scale = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                zero = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            else:
+                g = (k0 // GROUP) * stride_sg
+                zero = tl.load(z_rows + g, mask=n_mask, other=0.0).to(tl.float32)
+                scale = tl.load(s_rows + g, mask=n_mask, other=0.0)
             w_even, w_odd = int4_bf16_pairs(packed, zero[:, None], scale[:, None])
             x_even, x_odd = even_odd(x)
             acc += tl.dot(x_even, tl.trans(w_even), input_precision=DOT_PRECISION)
@@ -236,6 +242,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def _paired_words(w: Int4Weight) -> bool:
+    """Whether the bf16x2 decode reads each group's (scale, zero) as one aligned 32-bit
+    word: 2-byte loads stay out of Triton's cp.async pipeline, so each K step waited on
+    global memory for them (the sm_90 codegen: LDG.E.U16 in the loop, none this way)."""
+    return w.paired_scales() and w.scale.element_size() == 2 and w.scale.data_ptr() % 4 == 0
+
+
 def int4_dequantize(w: Int4Weight) -> torch.Tensor:
     """dequantize(w) [N, K] in w's dtype, by one kernel."""
     n, k = w.shape
@@ -296,7 +309,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, confi
         dest.stride(0) if split_k > 1 else 0, dest.stride(-2),
         GROUP=w.group, HAS_BIAS=bias is not None, SPLIT_K=split_k,
         EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, num_warps=num_warps, num_stages=num_stages,
+        **cfg, **dot_settings(x.dtype), BF16X2=bf16x2, PAIRED=_paired_words(w),
+        num_warps=num_warps, num_stages=num_stages,
         **pdl(),
     )
     if split_k > 1:

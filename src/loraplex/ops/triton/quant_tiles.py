@@ -3,10 +3,10 @@ QuantizedWeight's bytes (ops/formats): the values ops.dequantize gives, bit for 
 
 `mxfp4_cols` / `fp8_cols` give one K step of W.T, [BLOCK_K, N] (as gemm_tiles.col_tile
 does for a plain weight), from `cols` [1, N] pointers to the weight's rows and their
-scales (MXFP4: the step's tile, `mxfp4_scales`; FP8: `scale_cols` [1, N] pointers). Values are the matmul operand: computed in float32
-(code x scale), rounded once to the activations' dtype (`like_ptr`'s element type) as
-dequantize rounds to w.dtype; under the interpreter (UPCAST) read back as float32
-(precision.py), the rounding kept.
+scales (MXFP4: the step's tile, `mxfp4_scales`; FP8: `scale_cols` [1, N] pointers).
+Values are the matmul operand: computed in float32 (code x scale), rounded once to the
+activations' dtype (`like_ptr`'s element type) as dequantize rounds to w.dtype; under
+the interpreter (UPCAST) read back as float32 (precision.py), the rounding kept.
 
 Hopper has no FP4 MMA, and FP8 MMA needs the activations quantized too, which only
 W8A8 weights ask for (Fp8Weight.act_block: `fp8_w8a8_step`, both operands e4m3): else
