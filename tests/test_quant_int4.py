@@ -172,6 +172,30 @@ def test_published_packings_load_to_exactly_their_values(fmt):
     assert torch.equal(dequantize(w), dequantized(q, zero, scale, GROUP))
 
 
+def test_scales_and_zeros_are_stored_as_pairs():
+    """Int4Weight keeps each group's scale and zero side by side (the GEMM reads them as
+    one word): as built, through copies and module moves, and again after a move that
+    copies the views apart (values kept); row and K slices stay pairs."""
+    import copy
+
+    gen = torch.Generator().manual_seed(0)
+    w = Int4Weight((6, 64), 16, torch.bfloat16)
+    w.scale.copy_(torch.rand(6, 4, generator=gen))
+    w.zero.copy_(torch.randint(0, 16, (6, 4), generator=gen))
+    scale, zero = w.scale.clone(), w.zero.clone()
+    assert w.paired_scales() and w.scale.stride() == (8, 2)
+    assert copy.deepcopy(w).paired_scales() and w.to("meta").paired_scales()
+    w = Int4Weight((6, 64), 16, torch.bfloat16)
+    w.scale, w.zero = scale.clone(), zero.clone()  # apart, as a move copies them
+    assert not w.paired_scales()
+    w.to("cpu")
+    assert w.paired_scales() and torch.equal(w.scale, scale) and torch.equal(w.zero, zero)
+    part = Int4Weight((6, 64), 16, torch.bfloat16)
+    for view in ({b: t[2:5] for b, t in w.named_buffers()}, {b: t[:, 1:3] for b, t in w.named_buffers()}):
+        part.scale, part.zero = view["scale"], view["zero"]
+        assert part.paired_scales()
+
+
 def test_awq_order_and_gptq_offsets_on_known_words():
     """Hand-packed words, read as the publishers' docs and kernels say."""
     n, k, group = 8, 8, 8

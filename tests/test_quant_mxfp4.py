@@ -203,6 +203,32 @@ def test_mxfp4_random_weights(gpt_oss_dir, tmp_path):  # noqa: F811
         assert torch.isfinite(_logprobs_of(out.outputs[0].logprobs, out.outputs[0].token_ids)).all()
 
 
+def test_mxfp4_scale_rows_are_padded():
+    """Mxfp4Weight's scale rows are stored 16-byte aligned with 127 (a scale of 1) past K,
+    so kernels read whole K steps: as built, through copies and module moves, and again
+    after a move that made them contiguous (values kept); padded_scales says how far a
+    row may be read, and a view past the storage's end is refused."""
+    import copy
+
+    from loraplex.ops.formats import Mxfp4Weight
+
+    w = Mxfp4Weight((2, 3, 160), torch.bfloat16)  # 5 scales a row, stored in 16
+    values = torch.randint(100, 130, (2, 3, 5), dtype=torch.uint8)
+    w.scale.copy_(values)
+    rows = torch.as_strided(w.scale, (2, 3, 16), (48, 16, 1))
+    assert w.scale.stride() == (48, 16, 1) and (rows[..., 5:] == 127).all()
+    assert w.padded_scales(8) and w.padded_scales(16) and not w.padded_scales(17)
+    assert copy.deepcopy(w).padded_scales(16) and w.to("meta").padded_scales(16)
+    w = Mxfp4Weight((2, 3, 160), torch.bfloat16)
+    w.scale = values.clone()  # contiguous, as a move copies a strided view
+    assert not w.padded_scales(8)
+    w.to("cpu")
+    assert w.padded_scales(16) and torch.equal(w.scale, values)
+    # Rows of 32 in a storage of 96 bytes, the view's last row at byte 72: 16 may be read, not 32.
+    w.scale = torch.as_strided(torch.full((96,), 127, dtype=torch.uint8), (2, 5), (32, 1), storage_offset=40)
+    assert w.padded_scales(16) and not w.padded_scales(32)
+
+
 # The fused MoE kernels on MXFP4 experts (test_quant_moe_kernels.py: how they are checked).
 # (tokens, experts, top_k, hidden, intermediate, activation, biases, form, block configs):
 # K (hidden, intermediate: multiples of 32) and N off the block sizes, several blocks
