@@ -108,8 +108,7 @@ def _moe_gemv_quant_kernel(
             x = tl.reshape(_x_row(row, k0 + offs_k, K, stride_ak, EVEN_K), (BLOCK_K // 2, 2))
             x_even, x_odd = tl.split(x)
             x_even, x_odd = x_even[:, None], x_odd[:, None]
-            scale = mxfp4_scales(s_cols, k0 // 2, K_STORED, n_mask, stride_sk, BLOCK_K // 2,
-                                  PADDED_SCALES)
+            scale = mxfp4_scales(s_cols, k0 // 2, K_STORED, n_mask, stride_sk, BLOCK_K // 2, PADDED_SCALES)
             if PTX:
                 lo, hi = mxfp4_bf16_cols(w_cols, scale, k0 // 2, K_STORED, n_mask, stride_wk, BLOCK_K // 2,
                                          EVEN_K)
@@ -120,7 +119,7 @@ def _moe_gemv_quant_kernel(
             acc += hi.to(tl.float32) * x_odd
             if FUSE_ACT:
                 scale_up = mxfp4_scales(up_s_cols, k0 // 2, K_STORED, n_mask, stride_sk, BLOCK_K // 2,
-                                  PADDED_SCALES)
+                                        PADDED_SCALES)
                 if PTX:
                     lo, hi = mxfp4_bf16_cols(up_cols, scale_up, k0 // 2, K_STORED, n_mask, stride_wk,
                                              BLOCK_K // 2, EVEN_K)
