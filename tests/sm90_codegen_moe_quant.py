@@ -43,7 +43,7 @@ def _args(fmt: str, n: int, k: int, fuse: bool, top_k: int) -> dict:
         ALPHA=const(1.702), MUL_ROUTED_WEIGHT=const(not fuse), UPCAST=const(False))
 
 
-def _gemm_args(fmt: str, path: str = "mx") -> dict:
+def _gemm_args(fmt: str, path: str = "ptx") -> dict:
     """The grouped GEMM's own: how bf16 MXFP4 experts become operands (mxfp4_path); the
     activations' scales (W8A8)."""
     a8 = fmt == "w8a8"
@@ -63,10 +63,8 @@ def kernels() -> dict:
             n, k = (i, h) if fuse else (h, i)
             name = f"{fmt} {'gate_up' if fuse else 'down'}"
             decode, prefill = defaults[0][1], defaults[-1][1]
-            for rows, cfg, path in (("decode", decode, "mx"), ("prefill", prefill, "mx"),
-                                    ("decode ptx", decode, "ptx"), ("prefill ptx", prefill, "ptx")):
-                if path == "ptx" and fmt != "mxfp4":
-                    continue
+            path = "ptx" if fmt == "mxfp4" else "hand"  # bf16 MXFP4 on a GPU decodes in PTX
+            for rows, cfg in (("decode", decode), ("prefill", prefill)):
                 args = dict(_args(fmt, n, k, fuse, top_k), sorted_ids_ptr="*i32", block_experts_ptr="*i32",
                             num_valid_ptr="*i32", num_blocks=7, GROUP_M=const(cfg["GROUP_M"]),
                             BLOCK_M=const(cfg["BLOCK_M"]), BLOCK_N=const(cfg["BLOCK_N"]),
@@ -80,7 +78,7 @@ def kernels() -> dict:
                 continue
             cfg = gemv_mod.GEMV_CONFIG
             block_k = next(b for b in (cfg["BLOCK_K"], 64, 32) if k % b == 0)
-            for ptx in (False, True) if fmt == "mxfp4" else (False,):
+            for ptx in (fmt == "mxfp4",):
                 rows = 2 * n if fuse else n  # adapters of rank 16: the GEMV expands shrunk rows
                 args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
                             BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0),
@@ -88,7 +86,7 @@ def kernels() -> dict:
                             stride_lbe=rows * 16, stride_lbn=16, R=const(16), BLOCK_R=const(16),
                             LORA_EXPAND=const(True))
                 compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
-                out[f"gemv {name}" + (" ptx" if ptx else "")] = widths(compiled.asm["ptx"])
+                out[f"gemv {name}"] = widths(compiled.asm["ptx"])
     return out
 
 

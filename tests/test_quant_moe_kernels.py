@@ -136,10 +136,9 @@ def check_quantized_experts(monkeypatch, fmt, t, e, k, h, i, act, bias, form, bl
 def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form):
     """One-hot activations read each expert's weight back through either kernel: equal,
     bit for bit, to dequantize's (every e2m1 code and a 2^-127 scale; fp8 scale blocks
-    across K steps), rounded to nearest even in bf16 as dequantize rounds. The bf16
-    MXFP4 GEMM decodes in PTX on a GPU; with a scale above 128 (gemm-large-scale), and
-    under the interpreter, through the MX dot, which reads blocks of scale 2^-127 as
-    zeros."""
+    across K steps), rounded to nearest even in bf16 as dequantize rounds. bf16 MXFP4
+    decodes in PTX on a GPU; with a scale above 128 (gemm-large-scale), and under the
+    interpreter, by hand (float32)."""
     from loraplex.ops.triton.moe_align import align_experts
     from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant, mxfp4_path
     from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
@@ -156,14 +155,8 @@ def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form)
     eye = torch.eye(k, dtype=dtype, device=DEVICE)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
     want = dequantize(w)
-    if fmt == "mxfp4" and dtype == torch.bfloat16:  # (the GEMV takes "ptx" or decodes by hand)
-        path = "mx" if DEVICE == "cpu" or form == "gemm-large-scale" else "ptx"
-        assert mxfp4_path(w) == path and mxfp4_path(w, block_m=64) == "mx"  # prefill blocks: the MX dot
-        if form != "gemv" and path == "mx":
-            # tl.dot_scaled's fast-math upcast makes 2^(s - 127) a bf16 from s's bits, so
-            # the smallest scale, 2^-127 (subnormal), multiplies as 0: its blocks (values
-            # below 2e-38; quantizers give it only to all-zero blocks) read as zeros
-            want[(w.scale == 0).repeat_interleave(32, dim=-1)] = 0
+    if fmt == "mxfp4" and dtype == torch.bfloat16:
+        assert mxfp4_path(w) == ("hand" if DEVICE == "cpu" or form == "gemm-large-scale" else "ptx")
     # MXFP4 scales as Mxfp4Weight stores them (rows padded: K steps past K read padding)
     # and made contiguous (read with a mask along K).
     weights = [w]
@@ -241,6 +234,20 @@ def test_prefill_steps_read_quantized_experts_dequantized(monkeypatch, fmt, with
     assert [moe_configs.weight_format(w_gu, t, 2) for t in (15, 16)] == ["mxfp4", None]
     # Warm-up compiles both sides of the switch.
     assert {15, 16} <= set(fused_moe.warm_up_token_counts(w_gu, w_d, 2, 24))
+
+
+def test_mxfp4_default_configs_keep_to_decode_sized_blocks():
+    """Without a tuned file, MXFP4 experts' grouped GEMM takes blocks of at most 32 pairs
+    at every step size that runs it (the PTX decode feeds mma.sync: taller blocks only
+    repeat it; steps from DEQUANTIZE_MIN_PAIRS_PER_EXPERT read the experts dequantized,
+    under the bf16 GEMM's tables)."""
+    from loraplex.ops.triton.moe_gemm import gemm_config
+
+    w = Mxfp4Weight((32, 64, 64), torch.bfloat16)
+    quantized_steps = [t for t in (1, 16, 64, 256, 512, 1023, 4096) if not moe_configs.dequantized(w, t, 4)]
+    assert quantized_steps == [1, 16, 64, 256, 512, 1023]
+    assert all(gemm_config(w, t, 4)["BLOCK_M"] <= 32 for t in quantized_steps)
+    assert gemm_config(w, 4096, 4)["BLOCK_M"] == 64  # dequantized: the bf16 GEMM's prefill tile
 
 
 def test_int4_experts_are_dequantized_first():
@@ -384,25 +391,23 @@ def sm90_counts() -> dict:
 @pytest.mark.parametrize("gemm", ["gate_up", "down"])
 def test_quantized_expert_kernels_read_16_byte_vectors(sm90_counts, fmt, gemm):
     """On an H100: the grouped GEMM copies activation tiles to shared memory 16 bytes at
-    a time and weight bytes in 16 (FP8; its float32 scales in 4) or 4 (MXFP4 under
-    tl.dot_scaled, whose upcast wants its own shared layout; 16 decoded in PTX) byte
-    copies, a K step masked at gpt-oss's 2880 too; it
-    reads scales once per group (the PTX decode's, padded rows of MXFP4 scales, in the
-    copies: none a byte at a time) and stores 16-byte vectors; only the bias (once per
-    tile, in the wgmma accumulator's layout) may be read 2 bytes at a time. The GEMV
-    reads weight rows, and its adapters' B rows, in 16-byte vectors."""
-    for rows in ("decode", "prefill") + (("decode ptx", "prefill ptx") if fmt == "mxfp4" else ()):
+    a time and weight bytes in 16 byte copies (FP8's float32 scales in 4), a K step
+    masked at gpt-oss's 2880 too; it reads scales once per group (padded rows of MXFP4
+    scales in the copies: none a byte at a time in the decode form's loop) and stores
+    16-byte vectors; only the bias (once per tile, in the wgmma accumulator's layout)
+    may be read 2 bytes at a time. The GEMV reads weight rows, and its adapters' B rows,
+    in 16-byte vectors. (bf16 MXFP4 as a GPU reads it: decoded in PTX.)"""
+    for rows in ("decode", "prefill"):
         c = sm90_counts[f"gemm {fmt} {gemm} {rows}"]
         assert c.get("cp.async.16", 0) > 0 and c.get("st.v4.b32", 0) > 0, c
         assert c.get("ld.b16", 0) <= 4 and c.get("cp.async.8", 0) == c.get("cp.async.2", 0) == 0, c
         assert c.get("ld.b8", 0) <= 4, c  # MXFP4: the step's BLOCK_K / 32 scales (gate and up)
-        if rows == "decode ptx":  # padded scale rows: whole steps copied ahead, no byte loads in the loop
+        if rows == "decode" and fmt == "mxfp4":  # padded scale rows: whole steps copied ahead
             assert c.get("ld.b8", 0) == 0, c
-    gemvs = (f"gemv {fmt} {gemm}",) + ((f"gemv {fmt} {gemm} ptx",) if fmt == "mxfp4" else ())
-    for name in gemvs if fmt != "w8a8" else ():  # (W8A8 experts have no GEMV form)
-        c = sm90_counts[name]
-        assert c.get("ld.v4.b32", 0) >= 2 and c.get("ld.b8", 0) <= 2, (name, c)
-        assert c.get("ld.b16", 0) <= 4, (name, c)  # the bias, the activations: no B row 2 bytes at a time
+    if fmt != "w8a8":  # (W8A8 experts have no GEMV form)
+        c = sm90_counts[f"gemv {fmt} {gemm}"]
+        assert c.get("ld.v4.b32", 0) >= 2 and c.get("ld.b8", 0) <= 2, c
+        assert c.get("ld.b16", 0) <= 4, c  # the bias, the activations: no B row 2 bytes at a time
 
 
 def test_fp8_block_moe_checkpoint_on_triton(tmp_path, monkeypatch):

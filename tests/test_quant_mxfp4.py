@@ -22,6 +22,7 @@ from test_quant_moe_kernels import check_quantized_experts, count_quantized_kern
 from loraplex import LoRARequest, SamplingParams
 from loraplex.errors import ModelLoadError
 from loraplex.ops.formats import Mxfp4Weight
+from loraplex.ops.formats.mxfp4 import checkpoint_blocks
 from loraplex.ops.reference.quant import dequantize, quantize_mxfp4
 
 NUM_NEW = 4
@@ -50,7 +51,7 @@ def write_mxfp4(src: Path, out: Path) -> tuple[Path, Path]:
         w = t.transpose(1, 2)  # [E, out, in]
         e, n, k = w.shape
         q = quantize_mxfp4(w.float())
-        quantized[f"{name}_blocks"] = q.data.reshape(e, n, k // 32, 16).contiguous()
+        quantized[f"{name}_blocks"] = checkpoint_blocks(q)
         quantized[f"{name}_scales"] = q.scale.contiguous()
         twin[name] = dequantize(q).transpose(1, 2).to(t.dtype).contiguous()
     save_file(quantized, str(quantized_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -227,6 +228,44 @@ def test_mxfp4_scale_rows_are_padded():
     # Rows of 32 in a storage of 96 bytes, the view's last row at byte 72: 16 may be read, not 32.
     w.scale = torch.as_strided(torch.full((96,), 127, dtype=torch.uint8), (2, 5), (32, 1), storage_offset=40)
     assert w.padded_scales(16) and not w.padded_scales(32)
+
+
+def test_e2m1_words_hold_each_code_where_the_decode_reads_it():
+    """Mxfp4Weight.data's e2m1 words (ops/formats/e2m1_words.py): loading's conversion
+    of checkpoint bytes, made in place on a slice of rows (as a fused weight's parts are
+    loaded), round-trips to the bytes; and the PTX decode's steps (quant_tiles'
+    constants, emulated here: mask; rotate and mask; mask, multiply, mask) find every
+    code, at each of a word's 8 places, at bf16 bits 15 | 8 7 | 6 of its half."""
+    from loraplex.ops.formats.e2m1_words import from_nibbles_, to_nibbles
+    from loraplex.ops.triton import quant_tiles as qt
+
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (4, 6, 48), dtype=torch.uint8, generator=gen)
+    stack = data.clone()
+    from_nibbles_(stack[:, 2:5])  # a slice of rows: strided, converted in place
+    assert torch.equal(stack[:, :2], data[:, :2]) and torch.equal(stack[:, 5:], data[:, 5:])
+    assert not torch.equal(stack[:, 2:5], data[:, 2:5])
+    assert torch.equal(to_nibbles(stack[:, 2:5]), data[:, 2:5])
+
+    placed, rot1, rot2 = qt.E2M1_PLACED.value, qt.E2M1_ROTATE_1.value, qt.E2M1_ROTATE_2.value
+    spread_mask, spread_mult = qt.E2M1_SPREAD_MASK.value, qt.E2M1_SPREAD_MULT.value
+    rotr = lambda x, r: ((x >> r) | (x << (32 - r))) & 0xFFFFFFFF  # noqa: E731
+    for code in range(16):
+        for other in (0, 15, 6):  # the word's other codes: none, all bits, some
+            for place in range(8):
+                codes = [other] * 8
+                codes[place] = code
+                nibbles = torch.tensor([[codes[2 * b] | codes[2 * b + 1] << 4 for b in range(4)]],
+                                       dtype=torch.uint8)
+                word = int(from_nibbles_(nibbles).view(torch.int32)) & 0xFFFFFFFF
+                outs = (word & placed, rotr(word, rot1) & placed, rotr(word, rot2) & placed,
+                        ((word & spread_mask) * spread_mult) & 0xFFFFFFFF & placed)
+                found = {}
+                for bits, places in zip(outs, ((0, 2), (4, 6), (1, 3), (5, 7))):
+                    for half, p in enumerate(places):
+                        b = bits >> (16 * half)
+                        found[p] = (b >> 6) & 7 | (b >> 12) & 8
+                assert found == dict(enumerate(codes)), (code, other, place, found)
 
 
 # The fused MoE kernels on MXFP4 experts (test_quant_moe_kernels.py: how they are checked).

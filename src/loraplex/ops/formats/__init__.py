@@ -19,8 +19,10 @@ which is every kernel's oracle. Adapters never see these: LoRA deltas stay bf16 
   4-bit (AWQ, GPTQ; symmetric ones have zero 8).
 - Mxfp4Weight: W[n, k] = e2m1(q[n, k]) * 2^(e[n, k // 32] - 127) (OCP MXFP4, gpt-oss).
 
-Int4 and MXFP4 pack two values per byte along K: byte j of a row holds k = 2j in its low
-nibble and k = 2j + 1 in its high one.
+Int4 packs two values per byte along K: byte j of a row holds k = 2j in its low nibble
+and k = 2j + 1 in its high one. MXFP4 keeps those bytes' values in each aligned 4-byte
+word (k = 8w .. 8w + 7) but its codes' bits in the order its decode wants
+(formats/e2m1_words.py); loading converts.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ class Int4Weight(QuantizedWeight):
 
 
 class Mxfp4Weight(QuantizedWeight):
-    """`scale` [..., N, K / 32] is a view of rows stored SCALE_ROW_ALIGN-aligned, the
+    """`data` [..., N, K / 2]: e2m1 codes, 8 to a 4-byte word (formats/e2m1_words.py).
+    `scale` [..., N, K / 32] is a view of rows stored SCALE_ROW_ALIGN-aligned, the
     padding 127 (a scale of 1): kernels whose K steps run past K read the padding
     (padded_scales), not a mask per scale, so a step's scales of a row are one aligned
     vector load (quant_tiles.mxfp4_scales says why that matters). A copy made

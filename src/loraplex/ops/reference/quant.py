@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Int4Weight, Mxfp4Weight, QuantizedWeight
+from loraplex.ops.formats.e2m1_words import from_nibbles_, to_nibbles
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # e2m1 codes 0..15: sign bit 3, then exponent and mantissa.
@@ -36,7 +37,8 @@ def dequantize(w: QuantizedWeight) -> torch.Tensor:
         scale = w.scale.float().repeat_interleave(w.group, dim=-1)
         return ((q - zero) * scale).to(w.dtype)
     if isinstance(w, Mxfp4Weight):
-        values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.data.device)[unpack_nibbles(w.data)]
+        codes = unpack_nibbles(to_nibbles(w.data))
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.data.device)[codes]
         exponent = w.scale.to(torch.int32).repeat_interleave(MXFP4_BLOCK, dim=-1) - 127
         return torch.ldexp(values, exponent.float()).to(w.dtype)
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
@@ -147,6 +149,6 @@ def quantize_mxfp4(w: torch.Tensor, out: Mxfp4Weight | None = None) -> Mxfp4Weig
     values = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=w.device)
     magnitude = (scaled.abs()[..., None] - values).abs().argmin(-1)  # nearest of the 8 magnitudes
     codes = magnitude + 8 * (scaled < 0)
-    out.data.copy_(pack_nibbles(codes.flatten(-2)))
+    from_nibbles_(out.data.copy_(pack_nibbles(codes.flatten(-2))))
     out.scale.copy_((exponent + 127).to(torch.uint8))
     return out

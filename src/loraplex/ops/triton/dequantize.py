@@ -17,7 +17,7 @@ import triton.language as tl
 from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.precision import INTERPRETED
-from loraplex.ops.triton.quant_tiles import e2m1, e8m0, fp8_values, operand
+from loraplex.ops.triton.quant_tiles import e2m1, e2m1_word_bits, e8m0, fp8_values, operand, placed_code
 
 # (BLOCK_R, BLOCK_K, num_warps) by format: gpt-oss-20b's MXFP4 experts (0.8 G values a
 # layer) 0.64 ms on an H200 against 0.78 with 16 x 256, Qwen3-30B-A3B's FP8 ones (0.6 G)
@@ -28,24 +28,32 @@ TILES = {"mxfp4": (8, 1024, 4), "fp8": (4, 1024, 4)}
 @triton.jit
 def _mxfp4_dequantize_kernel(data_ptr, scale_ptr, out_ptr, R, K, stride_sr, BLOCK_R: tl.constexpr,
                              BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
-    """BLOCK_K values a row: BLOCK_K / 2 bytes, one e8m0 scale per 16 of them, loaded
-    once and broadcast; low and high nibbles interleaved in registers (tl.join) so the
-    row is stored contiguously."""
+    """BLOCK_K values a row: BLOCK_K / 8 e2m1 words (formats/e2m1_words.py), one e8m0
+    scale per 4 of them, loaded once and broadcast; each word's 8 values decoded apart
+    (quant_tiles.e2m1_word_bits) and put in k order in registers (tl.join) so the row is
+    stored contiguously."""
     wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    j = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # bytes: k = 2j, 2j + 1
+    w = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)  # words: k = 8w .. 8w + 7
     g = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)  # their scales
     row_mask = (rows < R)[:, None]
     r64 = rows.to(tl.int64)[:, None]
-    data = tl.load(data_ptr + r64 * (K // 2) + j[None, :], mask=row_mask & (j < K // 2)[None, :], other=0)
+    words = data_ptr.to(tl.pointer_type(tl.int32)) + r64 * (K // 8) + w[None, :]
+    word = tl.load(words, mask=row_mask & (w < K // 8)[None, :], other=0).to(tl.uint32, bitcast=True)
     scale = e8m0(tl.load(scale_ptr + r64 * stride_sr + g[None, :], mask=row_mask & (g < K // 32)[None, :],
                          other=127).to(tl.int32))
-    data = data.to(tl.int32)
-    low = tl.reshape(e2m1(data & 15), (BLOCK_R, BLOCK_K // 32, 16)) * scale[:, :, None]
-    high = tl.reshape(e2m1(data >> 4), (BLOCK_R, BLOCK_K // 32, 16)) * scale[:, :, None]
-    w = tl.reshape(tl.join(low, high), (BLOCK_R, BLOCK_K))
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, BLOCK_K // 32, 4)),
+                       (BLOCK_R, BLOCK_K // 8))  # a word's
+    k02, k46, k13, k57 = e2m1_word_bits(word)
+    v0, v2 = e2m1(placed_code(k02, 0)) * scale, e2m1(placed_code(k02, 1)) * scale
+    v4, v6 = e2m1(placed_code(k46, 0)) * scale, e2m1(placed_code(k46, 1)) * scale
+    v1, v3 = e2m1(placed_code(k13, 0)) * scale, e2m1(placed_code(k13, 1)) * scale
+    v5, v7 = e2m1(placed_code(k57, 0)) * scale, e2m1(placed_code(k57, 1)) * scale
+    # joined so that flattening the three new axes gives k = 0 .. 7 of each word
+    vals = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r64 * K + k[None, :], operand(w, out_ptr, UPCAST), mask=row_mask & (k < K)[None, :])
+    tl.store(out_ptr + r64 * K + k[None, :], operand(tl.reshape(vals, (BLOCK_R, BLOCK_K)), out_ptr, UPCAST),
+             mask=row_mask & (k < K)[None, :])
 
 
 @triton.jit

@@ -53,13 +53,24 @@ W8A8_DEFAULT_CONFIGS = (
 )
 
 
+# MXFP4 experts (moe_gemm_quant.py): blocks of at most 32 pairs. The e2m1 decode feeds
+# mma.sync; a 64-pair block runs the same decode for more rows on wgmma-less tiles
+# (gpt-oss-20b's experts at 2,048 tokens, H200: 6.06 ms against 1.57 dequantized first,
+# which steps from moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT take).
+MXFP4_DEFAULT_CONFIGS = (
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
+    (math.inf, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)),
+)
+_DEFAULTS = {"w8a8": W8A8_DEFAULT_CONFIGS, "mxfp4": MXFP4_DEFAULT_CONFIGS}
+
+
 def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     """Tuned config for weight w [E, N, K] if a file exists, else the default table's."""
     tuned = tuned_config(w, num_tokens, top_k)
     if tuned is not None:
         return tuned
     rows = num_tokens * top_k / w.shape[0]
-    table = W8A8_DEFAULT_CONFIGS if weight_format(w, num_tokens, top_k) == "w8a8" else DEFAULT_CONFIGS
+    table = _DEFAULTS.get(weight_format(w, num_tokens, top_k), DEFAULT_CONFIGS)
     return dict(next(cfg for limit, cfg in table if rows <= limit))
 
 

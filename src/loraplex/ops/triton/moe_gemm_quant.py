@@ -11,26 +11,23 @@ weights meet unquantized activations), float32 accumulation. W8A8 FP8 experts
 (act_block) are the exception: A comes as e4m3 rows with their scales, and each K step
 is an e4m3 MMA (quant_tiles.fp8_w8a8_step; the oracle quantizes A the same way).
 
-- MXFP4 (Mxfp4Weight: data [E, N, K / 2] two e2m1 per byte, low nibble k = 2j; scale
-  [E, N, K / 32] e8m0): a step of BLOCK_K reads BLOCK_K / 2 bytes per row and their
-  BLOCK_K / 32 scales, and turns them into bf16 operands one of three ways
-  (MXFP4_PATH, mxfp4_path() picks), which the decode step is bound by (instruction
-  issue: benchmarks/RESULTS.md, "Quantized bases"):
-  - "ptx", bf16 on a GPU with every scale <= 128 (trained weights: blocks up to 12),
-    decode-sized blocks (PTX_MAX_BLOCK_M):
-    quant_tiles.mxfp4_bf16_cols places each code's bits in a bf16 and scales two values
-    per multiply, ~3.6 SASS instructions per weight value in the loop (sm_90, Triton
-    3.6, BLOCK_N 128 x BLOCK_K 64);
-  - "mx", other bf16 cases: tl.dot_scaled with the bytes and scales as stored (Triton
-    upcasts them with packed bf16x2 arithmetic, ~6.6 per value), exact except in
-    blocks of the smallest scale, 2^-127, which its fast_math builds as 0 (values below
-    2e-38; quantizers give that scale to all-zero blocks only). NaN scales are refused
-    at load, so fast_math's skipped NaN handling changes nothing;
-  - "hand", float16 / float32 activations (and the interpreter's float32 reads):
-    quant_tiles.mxfp4_cols decodes in float32 and rounds to their dtype (~17 per value).
-  "ptx" and "hand" give the low nibbles (W at the even k) and the high ones (odd k),
-  multiplied by A's even and odd columns (A's tile loaded whole, split in registers) in
-  two dots of BLOCK_K / 2 (so BLOCK_K >= 32: tl.dot needs K >= 16).
+- MXFP4 (Mxfp4Weight: data [E, N, K / 2], e2m1 codes 8 to a 4-byte word in the
+  decode's bit order, ops/formats/e2m1_words.py; scale [E, N, K / 32] e8m0): a step of
+  BLOCK_K reads BLOCK_K / 2 bytes per row and their BLOCK_K / 32 scales, and turns them
+  into bf16 operands one of two ways (MXFP4_PATH, mxfp4_path() picks), which the decode
+  step is bound by (instruction issue: benchmarks/RESULTS.md, "Quantized bases"):
+  - "ptx", bf16 on a GPU with every scale <= 128 (trained weights: blocks up to 12):
+    quant_tiles.mxfp4_bf16_cols masks, rotates or spreads each word's codes into bf16
+    bits and scales two values per multiply (1.5 instructions a value for the decode;
+    ~3 SASS instructions a weight value in the loop, sm_90, BLOCK_N 64 x BLOCK_K 128);
+  - "hand", other cases (float16 / float32 activations, scales above 128, the
+    interpreter's float32 reads): quant_tiles.mxfp4_cols decodes in float32 and rounds
+    to their dtype.
+  Both give W at the even k and at the odd k, multiplied by A's even and odd columns (A's
+  tile loaded whole, split in registers) in two dots of BLOCK_K / 2 (so BLOCK_K >= 32:
+  tl.dot needs K >= 16). Blocks stay decode-sized where no tuned file says otherwise
+  (moe_gemm.MXFP4_DEFAULT_CONFIGS: taller ones only repeat the decode on mma.sync);
+  prompt-sized steps read the experts dequantized (moe_configs.dequantized).
 - FP8 (Fp8Weight: data [E, N, K] e4m3; scale [E, N, ceil(K / block_k)] float32): one
   scale per column in a step when the step lies in one scale block (block_k = 128 and
   BLOCK_K <= 128: Qwen3-30B-A3B-FP8), else one per value.
@@ -62,7 +59,6 @@ from loraplex.ops.triton.quant_tiles import (
     fp8_w8a8_step,
     mxfp4_bf16_cols,
     mxfp4_cols,
-    mxfp4_packed_cols,
     mxfp4_path,
     mxfp4_scale_pair,
     mxfp4_scales,
@@ -122,18 +118,8 @@ def _moe_gemm_quant_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if FORMAT == "mxfp4" and MXFP4_PATH == "mx":  # bf16 activations: Triton's MX dot upcasts W
-        for k0 in range(0, K, BLOCK_K):
-            a = row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, False)
-            w, s = mxfp4_packed_cols(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                     BLOCK_K // 2, EVEN_K)
-            acc = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)
-            if FUSE_ACT:
-                w, s = mxfp4_packed_cols(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                                         BLOCK_K // 2, EVEN_K)
-                acc_up = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc_up, fast_math=True)
-    elif FORMAT == "mxfp4":
-        for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j holds k = 2j and 2j + 1
+    if FORMAT == "mxfp4":
+        for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j's place holds k = 2j and 2j + 1
             j0 = k0 // 2
             a_even, a_odd = even_odd(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
             if FUSE_ACT:
@@ -241,6 +227,6 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        MXFP4_PATH=mxfp4_path(w, cfg["BLOCK_M"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        MXFP4_PATH=mxfp4_path(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl(),
     )

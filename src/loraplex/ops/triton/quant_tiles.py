@@ -25,11 +25,6 @@ from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight, QuantizedW
 from loraplex.ops.triton.precision import INTERPRETED
 
 FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
-# Taller blocks (prefill) keep the MX dot: Triton runs it on wgmma with the upcast
-# weights as the register operand, where the PTX decode feeds mma.sync (gpt-oss-20b
-# MXFP4, 16 x 1,600-token prompts in flight: TTFT 1,031 ms with PTX prefill, 405 ms
-# without, H100).
-PTX_MAX_BLOCK_M = 32
 
 
 @triton.jit
@@ -63,13 +58,30 @@ def e8m0(s):
     return tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
 
 
+# e2m1 words (ops/formats/e2m1_words.py): which bits of a word become each bf16x2.
+E2M1_PLACED = tl.constexpr(0x81C081C0)  # bf16 bits 15 | 8 7 | 6 of both halves
+E2M1_ROTATE_1 = tl.constexpr(3)  # k = (4, 6) are there after a rotation right by 3,
+E2M1_ROTATE_2 = tl.constexpr(6)  # k = (1, 3) after one by 6,
+E2M1_SPREAD_MASK = tl.constexpr(0x001B001B)  # k = (5, 7) after a mask and a multiply
+E2M1_SPREAD_MULT = tl.constexpr(0x4108)
+
+
 @triton.jit
-def mxfp4_values(data, scale, like_ptr, UPCAST: tl.constexpr):
-    """(low nibbles, high nibbles) of the bytes `data` (int32 tile) = (W at k = 2j, W at
-    k = 2j + 1) of byte j, each e2m1 x 2^(s - 127), s the e8m0 `scale` (int32, a tile
-    of data's shape)."""
-    s = e8m0(scale)
-    return operand(e2m1(data & 15) * s, like_ptr, UPCAST), operand(e2m1(data >> 4) * s, like_ptr, UPCAST)
+def e2m1_word_bits(word):
+    """uint32 e2m1 words -> their values' codes placed at bf16 bits 15 | 8 7 | 6 of each
+    half, as _E2M1_WORD_ASM places them: 4 tiles holding k = (0, 2), (4, 6), (1, 3),
+    (5, 7) of each word (low half, high half)."""
+    rotated_1 = (word >> E2M1_ROTATE_1) | (word << (32 - E2M1_ROTATE_1))
+    rotated_2 = (word >> E2M1_ROTATE_2) | (word << (32 - E2M1_ROTATE_2))
+    spread = (word & E2M1_SPREAD_MASK) * E2M1_SPREAD_MULT
+    return word & E2M1_PLACED, rotated_1 & E2M1_PLACED, rotated_2 & E2M1_PLACED, spread & E2M1_PLACED
+
+
+@triton.jit
+def placed_code(bits, HALF: tl.constexpr):
+    """The e2m1 code (0..15) e2m1_word_bits placed in half HALF (0 low, 1 high)."""
+    b = bits >> (16 * HALF)
+    return (((b >> 6) & 7) | ((b >> 12) & 8)).to(tl.int32)
 
 
 @triton.jit
@@ -86,9 +98,22 @@ def mxfp4_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, 
     """(W.T at the even k, W.T at the odd k) of the step whose bytes are j0 .. j0 +
     BLOCK_KH of KH = K / 2 (k = 2 j0 ..), each [BLOCK_KH, N]: what a GEMM multiplies with
     the activations' even and odd columns (two dots, no interleaving shuffle). `scale`:
-    the step's scales (mxfp4_scales), broadcast over their 16 bytes."""
-    data = mxfp4_data(cols, j0, KH, col_mask, stride_k, BLOCK_KH, EVEN_K)
-    return mxfp4_values(data.to(tl.int32), per_byte(scale).to(tl.int32), like_ptr, UPCAST)
+    the step's scales (mxfp4_scales), broadcast over their 16 bytes. Decoded in float32
+    from the e2m1 words, each row j reading its whole word (the portable path: the
+    interpreter, float16 / float32 activations)."""
+    j = j0 + tl.arange(0, BLOCK_KH)
+    words = (cols + (j - j % 4)[:, None] * stride_k).to(tl.pointer_type(tl.int32))
+    mask = col_mask[None, :] if EVEN_K else col_mask[None, :] & (j < KH)[:, None]
+    word = tl.load(words, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    even_k, even_k2, odd_k, odd_k2 = e2m1_word_bits(word)
+    first = (j % 4 < 2)[:, None]  # bytes 0, 1 of a word: k = 0, 2 (even) and 1, 3 (odd)
+    high = (j % 2)[:, None]
+    even = tl.where(high == 1, placed_code(tl.where(first, even_k, even_k2), 1),
+                    placed_code(tl.where(first, even_k, even_k2), 0))
+    odd = tl.where(high == 1, placed_code(tl.where(first, odd_k, odd_k2), 1),
+                   placed_code(tl.where(first, odd_k, odd_k2), 0))
+    s = e8m0(per_byte(scale).to(tl.int32))
+    return operand(e2m1(even) * s, like_ptr, UPCAST), operand(e2m1(odd) * s, like_ptr, UPCAST)
 
 
 @triton.jit
@@ -137,47 +162,46 @@ def per_byte(group_values):
     return tl.reshape(tl.broadcast_to(group_values[:, None, :], (g, 16, n)), (16 * g, n))
 
 
-# Two bytes -> the bf16x2 of their low (or high) nibbles, bits placed, not computed: an
-# e2m1 code s|e1 e0|m put at bf16 bits 15 | 8 7 | 6 reads as its value times 2^-126
-# (e > 0: 2^(e - 127)(1 + m / 2); e = 0: the subnormal m x 2^-127), so one bf16x2
-# multiply by 2^(s - 1) finishes both values (exact: a power of two; subnormals kept).
-# A nibble at bits 0-3 of each 16-bit half goes to 6-8 and 15 by one multiply by
-# 0x1040 (x << 6 + x << 12, the copies disjoint) and one mask. Per 4 bytes: 2 PRMT
-# spreading bytes (0, 1) and (2, 3) to half words, then 4 x (AND, IMAD, AND, HMUL2):
-# 2.25 instructions per value.
-_E2M1_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 y01, y23, t;
-prmt.b32 y01, $4, 0, 0x4140;
-prmt.b32 y23, $4, 0, 0x4342;
-and.b32 t, y01, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
+# A word's 8 e2m1 values (ops/formats/e2m1_words.py) -> 4 bf16x2, bits placed, not
+# computed: an e2m1 code s|e1 e0|m put at bf16 bits 15 | 8 7 | 6 reads as its value times
+# 2^-126 (e > 0: 2^(e - 127)(1 + m / 2); e = 0: the subnormal m x 2^-127), so one bf16x2
+# multiply by 2^(s - 1) finishes two values (exact: a power of two; subnormals kept).
+# The layout has k = 0, 2 at those bits already (mask), k = 4, 6 and k = 1, 3 there after
+# a rotation by 3 and 6 (rotate, mask), and k = 5, 7 where one multiply by 0x4108 puts
+# them (four shifted copies, disjoint where the mask keeps them): 12 instructions a word,
+# 1.5 a value (nibbles took 2.25: a PRMT spreading bytes, a multiply placing sign and
+# magnitude apart). Outputs as pack=4 gives them: $0, $1 the even k of bytes (0, 1),
+# (2, 3) of the word $4; $2, $3 the odd k. Unlike elementwise code, this reads the 4
+# packed bytes as one word: the tiles it takes must give each thread a word's 4 bytes
+# in order (the MMA operand layout's 4 consecutive k of 8-bit values does; the bf16
+# kernels' tests compare every value with dequantize's on a GPU).
+_E2M1_WORD_ASM = tl.constexpr(f"""
+{{
+.reg .b32 t;
+and.b32 t, $4, {E2M1_PLACED.value:#x};
 mul.rn.bf16x2 $0, t, $5;
-and.b32 t, y23, 0x000F000F;
-mul.lo.u32 t, t, 0x1040;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $1, t, $6;
-and.b32 t, y01, 0x00F000F0;
-mul.lo.u32 t, t, 0x104;
-and.b32 t, t, 0x81C081C0;
-mul.rn.bf16x2 $2, t, $5;
-and.b32 t, y23, 0x00F000F0;
-mul.lo.u32 t, t, 0x104;
-and.b32 t, t, 0x81C081C0;
+shf.r.wrap.b32 t, $4, $4, {E2M1_ROTATE_1.value};
+and.b32 t, t, {E2M1_PLACED.value:#x};
+mul.rn.bf16x2 $1, t, $5;
+shf.r.wrap.b32 t, $4, $4, {E2M1_ROTATE_2.value};
+and.b32 t, t, {E2M1_PLACED.value:#x};
+mul.rn.bf16x2 $2, t, $6;
+and.b32 t, $4, {E2M1_SPREAD_MASK.value:#x};
+mul.lo.u32 t, t, {E2M1_SPREAD_MULT.value:#x};
+and.b32 t, t, {E2M1_PLACED.value:#x};
 mul.rn.bf16x2 $3, t, $6;
-}
+}}
 """)
 
 
 @triton.jit
 def mxfp4_bf16_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, EVEN_K: tl.constexpr):
-    """mxfp4_cols for bf16 operands on a GPU, decoded by _E2M1_PAIRS_ASM: (W.T at the
+    """mxfp4_cols for bf16 operands on a GPU, decoded by _E2M1_WORD_ASM: (W.T at the
     even k, W.T at the odd k), each [BLOCK_KH, N] bf16, dequantize's values exactly.
     Needs every scale at most 128 (2^(s - 1) a normal bf16: Mxfp4Weight.max_scale)."""
     data = mxfp4_data(cols, j0, KH, col_mask, stride_k, BLOCK_KH, EVEN_K)
     mult = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
-    return tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [data, per_byte(mult)],
+    return tl.inline_asm_elementwise(_E2M1_WORD_ASM, "=r,=r,=r,=r,r,r,r", [data, per_byte(mult)],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
@@ -228,30 +252,19 @@ def int4_bf16_pairs(packed, zero, scale):
 
 
 @triton.jit
-def mxfp4_packed_cols(cols, scale_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
-                      EVEN_K: tl.constexpr):
-    """The step's bytes j0 .. j0 + BLOCK_KH of W.T as stored, [BLOCK_KH, N] uint8 (two
-    e2m1 per byte, the lower k in the low nibble), and their e8m0 scales [N, BLOCK_KH /
-    16]: tl.dot_scaled's rhs operands, which Triton upcasts to bf16 with packed bf16x2
-    arithmetic (~6 instructions per value on sm_90 against mxfp4_cols' ~15)."""
-    j = j0 + tl.arange(0, BLOCK_KH)
-    g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
-    scale_rows = tl.trans(scale_cols)  # [N, 1] pointers
-    if EVEN_K:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :], other=0)
-        scale = tl.load(scale_rows + g[None, :] * stride_sk, mask=col_mask[:, None], other=127)
-    else:
-        data = tl.load(cols + j[:, None] * stride_k, mask=col_mask[None, :] & (j < KH)[:, None], other=0)
-        scale = tl.load(scale_rows + g[None, :] * stride_sk, mask=col_mask[:, None] & (g * 16 < KH)[None, :],
-                        other=127)
-    return data, scale
-
-
-@triton.jit
 def even_odd(t):
     """[M, 2n] -> (t[:, 0::2], t[:, 1::2]), each [M, n]: a contiguous tile of the
     activations split in registers to meet mxfp4_cols' even and odd rows."""
     return tl.split(tl.reshape(t, (t.shape[0], t.shape[1] // 2, 2)))
+
+
+@triton.jit
+def word_halves(t):
+    """[M, 8n] -> the first four and the last four columns of every eight, each [M, 4n]."""
+    m: tl.constexpr = t.shape[0]
+    n: tl.constexpr = t.shape[1] // 8
+    lo, hi = tl.split(tl.permute(tl.reshape(t, (m, n, 2, 4)), (0, 1, 3, 2)))
+    return tl.reshape(lo, (m, 4 * n)), tl.reshape(hi, (m, 4 * n))
 
 
 @triton.jit
@@ -319,17 +332,13 @@ def format_args(w: QuantizedWeight, block_k: int) -> dict:
     raise TypeError(f"no Triton MoE kernel reads {type(w).__name__} experts")
 
 
-def mxfp4_path(w: QuantizedWeight, block_m: int = 16) -> str:
-    """How a kernel turns MXFP4 tiles into bf16 operands (moe_gemm_quant.py's docstring;
-    the GEMV, moe_gemv_quant.py, takes "ptx" or decodes by hand):
-    "ptx" (bf16 on a GPU, every scale at most 128, blocks of at most PTX_MAX_BLOCK_M
-    pairs), "mx" (tl.dot_scaled: other bf16 cases), "hand" (other dtypes; not MXFP4).
-    LORAPLEX_MXFP4_PATH=mx|ptx|hand picks one where it applies (to compare them)."""
-    if not isinstance(w, Mxfp4Weight):
-        return "hand"
-    if w.dtype != torch.bfloat16:
+def mxfp4_path(w: QuantizedWeight) -> str:
+    """How a kernel turns MXFP4 tiles into bf16 operands (moe_gemm_quant.py's docstring):
+    "ptx" (bf16 on a GPU, every scale at most 128: mxfp4_bf16_cols), else "hand"
+    (mxfp4_cols; and for any other weight). LORAPLEX_MXFP4_PATH=hand forces the portable
+    decode (to compare them)."""
+    if not isinstance(w, Mxfp4Weight) or w.dtype != torch.bfloat16:
         return "hand"
     max_scale = None if INTERPRETED or w.device.type != "cuda" else w.max_scale()
     fits = max_scale is not None and max_scale <= 128
-    path = FORCED_MXFP4_PATH or ("ptx" if fits and block_m <= PTX_MAX_BLOCK_M else "mx")
-    return "mx" if path == "ptx" and not fits else path
+    return "ptx" if fits and FORCED_MXFP4_PATH != "hand" else "hand"
