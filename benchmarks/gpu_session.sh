@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales |
+#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -136,6 +136,15 @@ for step in $STEPS; do
           --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
           --lora-targets q_proj k_proj v_proj o_proj experts $flag \
           --out "$OUT/mxfp4-scales${flag:+-unpadded}.json" | grep -E "decode graph|moe_gemm_quant"
+      done ;;
+    e2m1-words)  # RESULTS: "e2m1 words" (gpt-oss's decode graphs, base and 16 adapters; with
+      # BEFORE_SRC=<an older checkout's src>, also on that source: the A/B on one machine)
+      for src in src ${BEFORE_SRC:-}; do
+        tag=$([ "$src" = src ] && echo words || echo before)
+        PYTHONPATH=$src:.:${PYTHONPATH#src:} run e2m1-$tag 200 decode_breakdown --model gpt-oss-20b \
+          --quantization mxfp4 --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
+          --lora-targets q_proj k_proj v_proj o_proj experts --out "$OUT/e2m1-$tag.json" \
+          | grep -E "decode graph|moe_gemm_quant"
       done ;;
     int4-scales)  # RESULTS: "Scales in the K loop's pipeline" (Llama-3.1-8B AWQ's decode graphs, 32 in
       # flight, base and 32 adapters: (scale, zero) words copied ahead, and 2-byte loads in the loop)
