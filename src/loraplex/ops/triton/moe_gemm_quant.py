@@ -104,7 +104,9 @@ def _moe_gemm_quant_kernel(
     m_mask = pairs < num_pairs
     rows = (pairs // ROW_DIV).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    # EVEN_N: a constant mask, which the compiler drops (gpt-oss's gate/up: no select per
+    # scale and copy in the K loop, 389 -> 365 instructions a step)
+    n_mask = offs_n < N if not EVEN_N else tl.full((BLOCK_N,), 1, tl.int1)
     a_rows = a_ptr + rows[:, None] * stride_am
     w_cols = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn  # W.T tiles [BLOCK_K, BLOCK_N]
     s_cols = scale_ptr + expert * stride_se + offs_n[None, :] * stride_sn
