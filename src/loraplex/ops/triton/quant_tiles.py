@@ -78,9 +78,10 @@ def e2m1_word_bits(word):
 
 
 @triton.jit
-def placed_code(bits, HALF: tl.constexpr):
-    """The e2m1 code (0..15) e2m1_word_bits placed in half HALF (0 low, 1 high)."""
-    b = bits >> (16 * HALF)
+def placed_code(bits, half):
+    """The e2m1 code (0..15) e2m1_word_bits placed in half `half` (0 low, 1 high; an int
+    or a tile)."""
+    b = bits >> (16 * half)
     return (((b >> 6) & 7) | ((b >> 12) & 8)).to(tl.int32)
 
 
@@ -105,13 +106,11 @@ def mxfp4_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.constexpr, 
     words = (cols + (j - j % 4)[:, None] * stride_k).to(tl.pointer_type(tl.int32))
     mask = col_mask[None, :] if EVEN_K else col_mask[None, :] & (j < KH)[:, None]
     word = tl.load(words, mask=mask, other=0).to(tl.uint32, bitcast=True)
-    even_k, even_k2, odd_k, odd_k2 = e2m1_word_bits(word)
+    k02, k46, k13, k57 = e2m1_word_bits(word)
     first = (j % 4 < 2)[:, None]  # bytes 0, 1 of a word: k = 0, 2 (even) and 1, 3 (odd)
-    high = (j % 2)[:, None]
-    even = tl.where(high == 1, placed_code(tl.where(first, even_k, even_k2), 1),
-                    placed_code(tl.where(first, even_k, even_k2), 0))
-    odd = tl.where(high == 1, placed_code(tl.where(first, odd_k, odd_k2), 1),
-                   placed_code(tl.where(first, odd_k, odd_k2), 0))
+    half = (j % 2)[:, None].to(tl.uint32)
+    even = placed_code(tl.where(first, k02, k46), half)
+    odd = placed_code(tl.where(first, k13, k57), half)
     s = e8m0(per_byte(scale).to(tl.int32))
     return operand(e2m1(even) * s, like_ptr, UPCAST), operand(e2m1(odd) * s, like_ptr, UPCAST)
 
