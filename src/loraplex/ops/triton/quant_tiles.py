@@ -170,7 +170,8 @@ def per_byte(group_values):
 # them (four shifted copies, disjoint where the mask keeps them): 12 instructions a word,
 # 1.5 a value (nibbles took 2.25: a PRMT spreading bytes, a multiply placing sign and
 # magnitude apart). Outputs as pack=4 gives them: $0, $1 the even k of bytes (0, 1),
-# (2, 3) of the word $4; $2, $3 the odd k. Unlike elementwise code, this reads the 4
+# (2, 3) of the word $4; $2, $3 the odd k; $5, $6 the bytes' multipliers (one scale a
+# word: its 4 bytes lie in one 16-byte group). Unlike elementwise code, this reads the 4
 # packed bytes as one word: the tiles it takes must give each thread a word's 4 bytes
 # in order (the MMA operand layout's 4 consecutive k of 8-bit values does; the bf16
 # kernels' tests compare every value with dequantize's on a GPU).
@@ -181,10 +182,10 @@ and.b32 t, $4, {E2M1_PLACED.value:#x};
 mul.rn.bf16x2 $0, t, $5;
 shf.r.wrap.b32 t, $4, $4, {E2M1_ROTATE_1.value};
 and.b32 t, t, {E2M1_PLACED.value:#x};
-mul.rn.bf16x2 $1, t, $5;
+mul.rn.bf16x2 $1, t, $6;
 shf.r.wrap.b32 t, $4, $4, {E2M1_ROTATE_2.value};
 and.b32 t, t, {E2M1_PLACED.value:#x};
-mul.rn.bf16x2 $2, t, $6;
+mul.rn.bf16x2 $2, t, $5;
 and.b32 t, $4, {E2M1_SPREAD_MASK.value:#x};
 mul.lo.u32 t, t, {E2M1_SPREAD_MULT.value:#x};
 and.b32 t, t, {E2M1_PLACED.value:#x};
