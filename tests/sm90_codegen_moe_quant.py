@@ -58,7 +58,8 @@ def kernels() -> dict:
     moe_gemm = importlib.import_module("loraplex.ops.triton.moe_gemm")
     out = {}
     for fmt, (h, i, top_k) in SHAPES.items():
-        defaults = moe_gemm.W8A8_DEFAULT_CONFIGS if fmt == "w8a8" else moe_gemm.DEFAULT_CONFIGS
+        defaults = {"w8a8": moe_gemm.W8A8_DEFAULT_CONFIGS, "mxfp4": moe_gemm.MXFP4_DEFAULT_CONFIGS}.get(
+            fmt, moe_gemm.DEFAULT_CONFIGS)
         for fuse in (True, False):
             n, k = (i, h) if fuse else (h, i)
             name = f"{fmt} {'gate_up' if fuse else 'down'}"
@@ -78,15 +79,14 @@ def kernels() -> dict:
                 continue
             cfg = gemv_mod.GEMV_CONFIG
             block_k = next(b for b in (cfg["BLOCK_K"], 64, 32) if k % b == 0)
-            for ptx in (fmt == "mxfp4",):
-                rows = 2 * n if fuse else n  # adapters of rank 16: the GEMV expands shrunk rows
-                args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
-                            BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0),
-                            PTX=const(ptx), lora_b_ptr="*bf16", stride_lbl=8 * rows * 16,
-                            stride_lbe=rows * 16, stride_lbn=16, R=const(16), BLOCK_R=const(16),
-                            LORA_EXPAND=const(True))
-                compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
-                out[f"gemv {name}"] = widths(compiled.asm["ptx"])
+            rows = 2 * n if fuse else n  # adapters of rank 16: the GEMV expands shrunk rows
+            args = dict(_args(fmt, n, k, fuse, top_k), ids_ptr="*i32", BLOCK_N=const(cfg["BLOCK_N"]),
+                        BLOCK_K=const(block_k), EVEN_K=const(True), EVEN_N=const(n % cfg["BLOCK_N"] == 0),
+                        PTX=const(path == "ptx"), lora_b_ptr="*bf16", stride_lbl=8 * rows * 16,
+                        stride_lbe=rows * 16, stride_lbn=16, R=const(16), BLOCK_R=const(16),
+                        LORA_EXPAND=const(True))
+            compiled = compile_sm90(gemv_mod._moe_gemv_quant_kernel, args, cfg["num_warps"])
+            out[f"gemv {name}"] = widths(compiled.asm["ptx"])
     return out
 
 
