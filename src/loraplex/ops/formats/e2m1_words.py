@@ -7,7 +7,7 @@ bits (sign, e1, e0, m) where the decode in front of the MMA wants them: an e2m1 
 put at bf16 bits 15 | 8 7 | 6 reads as its value times 2^-126, so a bf16x2 holding two
 of them needs only a multiply by the scale. The positions below put k = 0 and 2 there
 as they are, k = 4, 6 and k = 1, 3 after a rotation by 3 and 6, and k = 5, 7 after one
-multiply (quant_tiles.E2M1_WORD_* and _E2M1_WORD_ASM: 1.5 instructions a value on sm_90,
+multiply (quant_tiles.e2m1_word_bits and _E2M1_WORD_ASM: 1.5 instructions a value on sm_90,
 against 2.25 for nibbles; benchmarks/RESULTS.md, "e2m1 words"). The bytes are
 little-endian words, as GPUs and x86 read them.
 
