@@ -259,15 +259,6 @@ def even_odd(t):
 
 
 @triton.jit
-def word_halves(t):
-    """[M, 8n] -> the first four and the last four columns of every eight, each [M, 4n]."""
-    m: tl.constexpr = t.shape[0]
-    n: tl.constexpr = t.shape[1] // 8
-    lo, hi = tl.split(tl.permute(tl.reshape(t, (m, n, 2, 4)), (0, 1, 3, 2)))
-    return tl.reshape(lo, (m, 4 * n)), tl.reshape(hi, (m, 4 * n))
-
-
-@triton.jit
 def fp8_cols(cols, scale_cols, k, k0, K, col_mask, stride_k, stride_sk, SCALE_BLOCK: tl.constexpr,
              SCALE_PER_STEP: tl.constexpr, EVEN_K: tl.constexpr, like_ptr, UPCAST: tl.constexpr):
     """W.T at k [BLOCK_K] (the step from k0), [BLOCK_K, N]. SCALE_PER_STEP: the step lies
