@@ -138,6 +138,10 @@ def build_parser():
     p.add_argument("--down-delta-in-epilogue", action="store_true",
                    help="MoE adapters: add the down delta in the down GEMM's epilogue (after its kernel) "
                         "instead of as terms of the top-k sum (its kernel beside the GEMM)")
+    p.add_argument("--gate-up-delta-first", action="store_true",
+                   help="MoE adapters in decode, W8A8 experts: the gate/up delta's kernel runs before the "
+                        "gate/up GEMM, whose epilogue adds it, instead of beside the GEMM (then added with "
+                        "the activation), as for other formats")
     p.add_argument("--lora-min-split-k", type=int, default=None,
                    help="FP8 projections with adapters in decode: split K at least this many ways (the "
                         "LoRA expand joins the split-K sum); 1: the tuned split as it is")
@@ -204,6 +208,8 @@ def main(argv=None):
         fp8_gemm.LORA_MIN_SPLIT_K = args.lora_min_split_k
     if args.down_delta_in_epilogue:
         fused_moe.DOWN_DELTA_AS_TERMS = False
+    if args.gate_up_delta_first:
+        fused_moe.GATE_UP_DELTA_BESIDE_GEMM = False
     if args.sparse_expert_deltas:
         fused_moe.GEMV_DELTAS_EVERY_ROW = False
     if args.operands_after_loop:

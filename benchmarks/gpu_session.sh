@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words |
+#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words gate-up-beside |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -145,6 +145,13 @@ for step in $STEPS; do
           --quantization mxfp4 --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
           --lora-targets q_proj k_proj v_proj o_proj experts --out "$OUT/e2m1-$tag.json" \
           | grep -E "decode graph|moe_gemm_quant"
+      done ;;
+    gate-up-beside)  # RESULTS: "The gate/up delta beside the gate/up GEMM" (decode graphs with 16
+      # adapters, the delta's kernel beside the GEMM where gate_up_delta_beside says, and before it)
+      for flag in "" --gate-up-delta-first; do
+        run gate-up-qwen3${flag:+-first} 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
+          --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters $flag \
+          --out "$OUT/gate-up-qwen3${flag:+-first}.json" | grep -E "decode graph|moe_lora"
       done ;;
     int4-scales)  # RESULTS: "Scales in the K loop's pipeline" (Llama-3.1-8B AWQ's decode graphs, 32 in
       # flight, base and 32 adapters: (scale, zero) words copied ahead, and 2-byte loads in the loop)

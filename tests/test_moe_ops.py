@@ -17,7 +17,7 @@ from loraplex.ops.reference import moe as reference
 
 pytest.importorskip("triton")
 from loraplex.bench import tune_moe  # noqa: E402
-from loraplex.ops.triton import fused_moe, moe_align, moe_configs, moe_epilogue  # noqa: E402
+from loraplex.ops.triton import fused_moe, moe_align, moe_configs, moe_epilogue, moe_lora_gemv  # noqa: E402
 
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -460,3 +460,89 @@ def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
     torch.testing.assert_close(summed, in_epilogue, rtol=1e-5, atol=1e-5)
     expected = reference.fused_experts(*ref_args)
     assert (summed.cpu() - expected).norm() / expected.norm() <= REL_TOL[torch.float32]
+
+
+def test_gate_up_delta_joins_after_the_gate_up_gemm(monkeypatch):
+    """Where the gate/up delta runs beside the gate/up GEMM (W8A8 experts in decode-sized
+    steps; forced here for bf16 ones) the GEMM takes no delta and writes its float32 sums
+    (gate | up, bias included); gated_act_rows then adds the delta and applies the
+    activation. The output is the epilogue form's (the switch off), and the reference's."""
+    assert not fused_moe.gate_up_delta_beside(torch.empty(4, 48, 40), 5)  # bf16 / fp32 experts: before
+    monkeypatch.setattr(fused_moe, "gate_up_delta_beside",
+                        lambda w, t: fused_moe.GATE_UP_DELTA_BESIDE_GEMM)
+    t, e, k, h, i = 5, 4, 2, 40, 24
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(t, h, generator=gen).to(DEVICE)
+    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
+    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
+    b_gu, b_d = torch.randn(e, 2 * i, generator=gen).to(DEVICE), torch.randn(e, h, generator=gen).to(DEVICE)
+    lora = make_lora(e, h, i, t, gen)
+    fields = [f.name for f in dataclasses.fields(MoELoRA)]
+    lora = MoELoRA(*(getattr(lora, f).to(DEVICE) for f in fields))
+    gate_up_calls = []
+    gemm = fused_moe._expert_gemm
+
+    def expert_gemm(a, w, bias, out, *args, **kw):
+        if w is w_gu:
+            gate_up_calls.append((out.shape, out.dtype, kw.get("delta"), kw.get("activation")))
+        return gemm(a, w, bias, out, *args, **kw)
+
+    monkeypatch.setattr(fused_moe, "_expert_gemm", expert_gemm)
+    monkeypatch.setattr(fused_moe, "GEMV_MAX_TOKENS", 64)
+    args = (x, weights.to(DEVICE), ids.to(DEVICE), w_gu, w_d, "swiglu_oai", b_gu, b_d, lora, 3.0)
+    with ops.using_backend("triton"):
+        after = ops.fused_experts(*args)
+        monkeypatch.setattr(fused_moe, "GATE_UP_DELTA_BESIDE_GEMM", False)
+        in_epilogue = ops.fused_experts(*args)
+    assert gate_up_calls[0] == ((t * k, 2 * i), torch.float32, None, None)
+    assert gate_up_calls[1][2] is not None and gate_up_calls[1][3] == "swiglu_oai"
+    torch.testing.assert_close(after, in_epilogue, rtol=1e-5, atol=1e-5)
+    cpu_lora = MoELoRA(*(getattr(lora, f).cpu() for f in fields))
+    expected = reference.fused_experts(x.cpu(), weights, ids, w_gu.cpu(), w_d.cpu(), "swiglu_oai", b_gu.cpu(),
+                                       b_d.cpu(), cpu_lora, 3.0)
+    assert (after.cpu() - expected).norm() / expected.norm() <= REL_TOL[torch.float32]
+
+
+@pytest.mark.parametrize("form", ["deltas", "every_row", "terms", "shrink"])
+def test_expert_lora_gemv_against_torch(monkeypatch, form):
+    """The decode expert-LoRA kernel against a plain-torch reference, with tiles small
+    enough that each pair's K and N take several (the last one short) and two programs a
+    pair split N: ranks and slot masks honoured; rows of pairs without an adapter left
+    alone, or zeros (every_row; terms: times the routing weight, bf16); the shrink alone
+    writes the [R] rows."""
+    monkeypatch.setattr(moe_lora_gemv, "A_TILE", 16 * 16)  # rank 16: BLOCK_K 16
+    monkeypatch.setattr(moe_lora_gemv, "B_TILE", 16 * 8)  # BLOCK_N 8
+    monkeypatch.setattr(moe_lora_gemv, "splits_per_pair", lambda *_: 2)
+    t, e, k, h, i = 6, 4, 2, 72, 36
+    gen = torch.Generator().manual_seed(5)
+    lora = make_lora(e, h, i, t, gen)
+    x = torch.randn(t, h, generator=gen)
+    _, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+    weights = torch.rand(t * k, generator=gen)
+    slot = lora.token_slot.long()
+    covered = (slot >= 0) & (lora.slot_mask[slot.clamp(min=0)] != 0)
+    pair_slot, pair_expert = slot.repeat_interleave(k).clamp(min=0), ids.flatten().long()
+    a = lora.a_gate_up[pair_slot, pair_expert]  # [P, R, H]
+    b = lora.b_gate_up[pair_slot, pair_expert]  # [P, 2I, R]
+    shrunk = torch.einsum("ph,prh->pr", x.repeat_interleave(k, 0), a)
+    expected = torch.einsum("pr,pnr->pn", shrunk, b)
+    live = covered.repeat_interleave(k)
+    width = 2 * i if form != "shrink" else 16
+    dtype = torch.bfloat16 if form == "terms" else torch.float32
+    delta = torch.full((t * k, width), 7.0, dtype=dtype)
+    args = [x, ids, lora.token_slot, lora.slot_mask, lora.ranks[0], lora.a_gate_up,
+            None if form == "shrink" else lora.b_gate_up]
+    dev = [v.to(DEVICE) if v is not None else None for v in args]
+    out = delta.to(DEVICE)
+    moe_lora_gemv.moe_lora_gemv(*dev, out, k, weights.to(DEVICE) if form == "terms" else None,
+                                all_rows=form == "every_row")
+    out = out.cpu().float()
+    if form == "shrink":
+        expected = shrunk
+    if form == "terms":
+        expected = expected * weights[:, None]
+    tol = 1e-2 if form == "terms" else 1e-5
+    torch.testing.assert_close(out[live], expected[live], rtol=tol, atol=tol)
+    dead = {"deltas": 7.0, "shrink": 7.0, "every_row": 0.0, "terms": 0.0}[form]
+    assert (out[~live] == dead).all()

@@ -5,6 +5,9 @@ The activation runs in the gate/up GEMM's epilogue and the routing weight in the
 GEMM's. With adapters (MoELoRA) each delta must land before those, so it is computed
 first and the GEMM's epilogue adds it to its float32 accumulator: the same launches as
 the base path plus one adapter kernel per projection, and base + delta rounded once.
+(W8A8 experts in decode-sized steps: the gate/up delta's kernel runs beside the gate/up
+GEMM, which writes float32 sums; moe_act.gated_act_rows adds the delta and applies the
+activation after both, rounding once as well: gate_up_delta_beside.)
 Decode-sized steps (up to GEMV_MAX_TOKENS tokens, where nearly every (slot, expert)
 group holds one pair) compute each pair's delta on its own (moe_lora_gemv.py), every
 pair's row written (zeros where no adapter) so that the GEMM's epilogue loads it with
@@ -50,7 +53,7 @@ from loraplex.ops.side_streams import beside, join
 from loraplex.ops.triton.dequantize import dequantize as dequantize_kernel
 from loraplex.ops.triton.fp8_activations import fp8_rows
 from loraplex.ops.triton.lora_common import GEMV_MAX_TOKENS
-from loraplex.ops.triton.moe_act import check_activation
+from loraplex.ops.triton.moe_act import check_activation, gated_act_rows
 from loraplex.ops.triton.moe_align import align_experts, align_lora
 from loraplex.ops.triton.moe_configs import dequantized
 from loraplex.ops.triton.moe_gemm import gemm_config, moe_gemm
@@ -71,6 +74,10 @@ GEMV_EXPANDS_LORA = True
 # Decode-sized steps give the down delta as terms of the top-k sum, its kernel beside the
 # down GEMM. (A switch for benchmarks: False adds it in the GEMM's epilogue.)
 DOWN_DELTA_AS_TERMS = True
+# Decode-sized steps with adapters on W8A8 experts run the gate/up delta's kernel beside
+# the gate/up GEMM rather than before it (fused_experts; gate_up_delta_beside). (A switch
+# for benchmarks: False has the GEMM's epilogue add the delta, as for other formats.)
+GATE_UP_DELTA_BESIDE_GEMM = True
 # The GEMV-form deltas are written for every pair (zeros where no adapter), so the GEMMs
 # read each pair's row without loading its slot and the slot's mask first. (A switch for
 # benchmarks: False writes covered pairs' rows only, as the aligned form does.)
@@ -83,6 +90,18 @@ def lora_form(num_tokens: int, top_k: int, device: torch.device) -> tuple[str, i
     if num_tokens <= GEMV_MAX_TOKENS:
         return "gemv", splits_per_pair(num_tokens * top_k, device)
     return "aligned", lora_block_m(num_tokens * top_k)
+
+
+def gate_up_delta_beside(w_gate_up, num_tokens: int) -> bool:
+    """Whether a decode-sized step with adapters (every pair's delta row written, the
+    grouped GEMM) runs the gate/up delta's kernel beside the gate/up GEMM, which then
+    writes float32 sums that gated_act_rows finishes; else the delta comes first and the
+    GEMM's epilogue adds it. Beside only for W8A8 experts, whose e4m3 MMA GEMM leaves the
+    SMs room: Qwen3-30B-A3B W8A8 with 16 adapters, decode graph 8.83 -> 8.70 ms on an
+    H200. gpt-oss-20b's MXFP4 GEMM decodes its weights in registers, bound by issue,
+    and the delta kernel's programs beside it slowed both (5.89 -> 6.27 ms;
+    benchmarks/LOG.md, "The gate/up delta beside the gate/up GEMM")."""
+    return GATE_UP_DELTA_BESIDE_GEMM and w8a8(w_gate_up, num_tokens)
 
 
 def base_form(num_tokens: int, top_k: int, w_gate_up, w_down) -> str:
@@ -182,19 +201,28 @@ def fused_experts(
 
         # Deltas are allocated on the current stream, so the allocator orders their reuse there.
         delta_gu = torch.empty(p, lora.b_gate_up.shape[delta_dim], dtype=torch.float32, device=dev)
+    # The gate/up delta beside the GEMM (gate_up_delta_beside): the GEMM writes its float32
+    # sums, gated_act_rows adds the delta and applies the activation.
+    delta_after = lora is not None and delta_rows is None and not gemv and gate_up_delta_beside(w_gate_up, t)
     if lora is not None:  # the gate/up delta reads only x and the routing: beside the alignment
         with beside(side_stream):
             gate_up_delta()
     align_gu = align_base(cfg_gu["BLOCK_M"], routing_stats)
-    if lora is not None:
+    if lora is not None and not delta_after:
         join(side_stream)
     align_d = (align_gu if gemv or cfg_d["BLOCK_M"] == cfg_gu["BLOCK_M"]
                else align_experts(topk_ids, num_experts, cfg_d["BLOCK_M"]))
 
     h = torch.empty(p, two_i // 2, dtype=x.dtype, device=dev)
-    _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
-                 limit=limit, delta=delta_gu, lora=delta_rows, top_k=top_k,
-                 lora_b=lora.b_gate_up if gemv_expands else None, a_fp8=x_fp8)
+    if delta_after:
+        sums = torch.empty(p, two_i, dtype=torch.float32, device=dev)
+        _expert_gemm(x, w_gate_up, b_gate_up, sums, align_gu, cfg_gu, top_k, topk_ids, a_fp8=x_fp8)
+        join(side_stream)
+        gated_act_rows(sums, delta_gu, h, activation, limit)
+    else:
+        _expert_gemm(x, w_gate_up, b_gate_up, h, align_gu, cfg_gu, top_k, topk_ids, activation=activation,
+                     limit=limit, delta=delta_gu, lora=delta_rows, top_k=top_k,
+                     lora_b=lora.b_gate_up if gemv_expands else None, a_fp8=x_fp8)
     # Decode-sized steps: the down delta rows, weighted, are terms of the sum: y [T, top_k,
     # 2, H] holds each pair's GEMM row, then its delta row.
     delta_terms = DOWN_DELTA_AS_TERMS and lora is not None and form == "gemv" and not gemv_expands
