@@ -411,6 +411,19 @@ def test_epilogue_operands_come_before_the_loop_in_decode_tiles_without_a_chain(
     assert not moe_epilogue.operands_first(sparse_delta=False, block_m=64)
 
 
+def decode_case(t, e, k, h, i, seed):
+    """A decode-sized MoE step on DEVICE: (generator, x, routing weights (CPU), ids (CPU),
+    w_gate_up, w_down, adapters (make_lora's))."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen).to(DEVICE)
+    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
+    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
+    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
+    lora = make_lora(e, h, i, t, gen)
+    lora = MoELoRA(*(getattr(lora, f.name).to(DEVICE) for f in dataclasses.fields(MoELoRA)))
+    return gen, x, weights, ids, w_gu, w_d, lora
+
+
 def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
     """Decode-sized steps: the down GEMM gets no delta (its adapter kernel need not run
     first); the adapter kernel writes every pair's delta times its routing weight (zeros
@@ -418,14 +431,8 @@ def test_down_deltas_are_terms_of_the_sum_beside_the_down_gemm(monkeypatch):
     to the reference's, and the sum to the epilogue form's. The gate/up delta's kernel
     writes every row too (the GEMM reads each pair's without its slot)."""
     t, e, k, h, i = 5, 4, 2, 40, 24
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(t, h, generator=gen).to(DEVICE)
-    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
-    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
-    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
-    lora = make_lora(e, h, i, t, gen)
+    gen, x, weights, ids, w_gu, w_d, lora = decode_case(t, e, k, h, i, seed=7)
     fields = [f.name for f in dataclasses.fields(MoELoRA)]
-    lora = MoELoRA(*(getattr(lora, f).to(DEVICE) for f in fields))
     down_deltas = []
     gemm, lora_gemv = fused_moe._expert_gemm, fused_moe.moe_lora_gemv
 
@@ -471,15 +478,9 @@ def test_gate_up_delta_joins_after_the_gate_up_gemm(monkeypatch):
     monkeypatch.setattr(fused_moe, "gate_up_delta_beside",
                         lambda w, t: fused_moe.GATE_UP_DELTA_BESIDE_GEMM)
     t, e, k, h, i = 5, 4, 2, 40, 24
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(t, h, generator=gen).to(DEVICE)
-    weights, ids = reference.route_experts(torch.randn(t, e, generator=gen), k, renormalize=True)
-    w_gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEVICE)
-    w_d = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEVICE)
+    gen, x, weights, ids, w_gu, w_d, lora = decode_case(t, e, k, h, i, seed=11)
     b_gu, b_d = torch.randn(e, 2 * i, generator=gen).to(DEVICE), torch.randn(e, h, generator=gen).to(DEVICE)
-    lora = make_lora(e, h, i, t, gen)
     fields = [f.name for f in dataclasses.fields(MoELoRA)]
-    lora = MoELoRA(*(getattr(lora, f).to(DEVICE) for f in fields))
     gate_up_calls = []
     gemm = fused_moe._expert_gemm
 
