@@ -330,8 +330,10 @@ def test_folded_experts_match_unfolded_and_peft(arch, backend, moe_dirs, tmp_pat
     assert all(m.fold_rank == 0 for m in apart_wrapped.values() if isinstance(m, LoRAExperts))
     want_loss, want = _loss_and_grads(apart, apart_wrapped, batch)
     assert abs(loss - want_loss) <= 1e-6
+    # The folded stacks sum in another order: float32 reassociation, ~1e-7 absolute on
+    # entries near zero (2e-6 of the largest; seen at 1e-6 with transformers 5.24).
     for key, g in want.items():
-        torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=key)
+        torch.testing.assert_close(grads[key], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=key)
     assert_peft_agrees(model_dir, wrapped, spec, batch, loss, grads, tmp_path / "ad")
     assert_checkpointing_keeps(model, wrapped, batch, loss, grads)
 
