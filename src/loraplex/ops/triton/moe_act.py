@@ -1,8 +1,8 @@
 """Gated activations of the MoE experts: act(gate) * up, in float32, applied by the
 gate/up GEMM in its epilogue (after any adapter delta), or by `gated_act_rows` to the
 GEMM's float32 sums where the delta is added after it (fused_moe.py: decode steps with
-adapters, whose gate/up delta kernel runs beside the GEMM). Constants as in
-reference/moe.py.
+adapters on W8A8 experts, whose gate/up delta kernel runs beside the GEMM). Constants as
+in reference/moe.py.
 """
 
 from __future__ import annotations
