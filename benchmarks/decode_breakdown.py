@@ -142,6 +142,13 @@ def build_parser():
                    help="MoE adapters in decode, W8A8 experts: the gate/up delta's kernel runs before the "
                         "gate/up GEMM, whose epilogue adds it, instead of beside the GEMM (then added with "
                         "the activation), as for other formats")
+    p.add_argument("--gate-up-delta-beside", action="store_true",
+                   help="MoE adapters in decode: the gate/up delta's kernel beside the gate/up GEMM for "
+                        "every expert format (by default W8A8 alone: fused_moe.gate_up_delta_beside)")
+    p.add_argument("--expert-lora-gemv", type=int, nargs=3, default=None,
+                   metavar=("WARPS", "A_TILE", "B_TILE"),
+                   help="the decode expert-LoRA kernel's warps and tile sizes (elements: moe_lora_gemv.py), "
+                        "e.g. a lighter program to run beside an issue-bound GEMM")
     p.add_argument("--lora-min-split-k", type=int, default=None,
                    help="FP8 projections with adapters in decode: split K at least this many ways (the "
                         "LoRA expand joins the split-K sum); 1: the tuned split as it is")
@@ -210,6 +217,11 @@ def main(argv=None):
         fused_moe.DOWN_DELTA_AS_TERMS = False
     if args.gate_up_delta_first:
         fused_moe.GATE_UP_DELTA_BESIDE_GEMM = False
+    if args.gate_up_delta_beside:
+        fused_moe.gate_up_delta_beside = lambda w, num_tokens: True
+    if args.expert_lora_gemv:
+        from loraplex.ops.triton import moe_lora_gemv
+        moe_lora_gemv.NUM_WARPS, moe_lora_gemv.A_TILE, moe_lora_gemv.B_TILE = args.expert_lora_gemv
     if args.sparse_expert_deltas:
         fused_moe.GEMV_DELTAS_EVERY_ROW = False
     if args.operands_after_loop:

@@ -152,6 +152,15 @@ for step in $STEPS; do
         run gate-up-qwen3${flag:+-first} 200 decode_breakdown --model qwen3-30b-a3b --quantization fp8 \
           --fp8-activations dynamic --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters $flag \
           --out "$OUT/gate-up-qwen3${flag:+-first}.json" | grep -E "decode graph|moe_lora"
+      done
+      # gpt-oss-20b MXFP4 (delta first by default), beside with the default and a lighter
+      # expert-LoRA program (4 warps, 4,096-element tiles: room beside 3 GEMM programs an SM)
+      for flags in "" "--gate-up-delta-beside" "--gate-up-delta-beside --expert-lora-gemv 4 4096 4096"; do
+        tag=$(echo "$flags" | tr -d ' -' | cut -c1-40)
+        run gate-up-gpt-oss${tag:+-$tag} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 \
+          --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
+          --lora-targets q_proj k_proj v_proj o_proj experts $flags \
+          --out "$OUT/gate-up-gpt-oss${tag:+-$tag}.json" | grep -E "decode graph|moe_lora"
       done ;;
     int4-scales)  # RESULTS: "Scales in the K loop's pipeline" (Llama-3.1-8B AWQ's decode graphs, 32 in
       # flight, base and 32 adapters: (scale, zero) words copied ahead, and 2-byte loads in the loop)
