@@ -58,8 +58,7 @@ def kernels() -> dict:
     moe_gemm = importlib.import_module("loraplex.ops.triton.moe_gemm")
     out = {}
     for fmt, (h, i, top_k) in SHAPES.items():
-        defaults = {"w8a8": moe_gemm.W8A8_DEFAULT_CONFIGS, "mxfp4": moe_gemm.MXFP4_DEFAULT_CONFIGS}.get(
-            fmt, moe_gemm.DEFAULT_CONFIGS)
+        defaults = moe_gemm.default_configs(fmt)
         for fuse in (True, False):
             n, k = (i, h) if fuse else (h, i)
             name = f"{fmt} {'gate_up' if fuse else 'down'}"

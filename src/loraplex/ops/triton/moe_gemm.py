@@ -61,7 +61,13 @@ MXFP4_DEFAULT_CONFIGS = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     (math.inf, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)),
 )
-_DEFAULTS = {"w8a8": W8A8_DEFAULT_CONFIGS, "mxfp4": MXFP4_DEFAULT_CONFIGS}
+_FORMAT_DEFAULTS = {"w8a8": W8A8_DEFAULT_CONFIGS, "mxfp4": MXFP4_DEFAULT_CONFIGS}
+
+
+def default_configs(fmt: str | None) -> tuple:
+    """The (pairs per expert limit, config) table a weight format (moe_configs.weight_format)
+    takes where no tuned file holds its shape."""
+    return _FORMAT_DEFAULTS.get(fmt, DEFAULT_CONFIGS)
 
 
 def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
@@ -70,7 +76,7 @@ def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     if tuned is not None:
         return tuned
     rows = num_tokens * top_k / w.shape[0]
-    table = _DEFAULTS.get(weight_format(w, num_tokens, top_k), DEFAULT_CONFIGS)
+    table = default_configs(weight_format(w, num_tokens, top_k))
     return dict(next(cfg for limit, cfg in table if rows <= limit))
 
 
