@@ -250,6 +250,20 @@ def test_mxfp4_default_configs_keep_to_decode_sized_blocks():
     assert gemm_config(w, 4096, 4)["BLOCK_M"] == 64  # dequantized: the bf16 GEMM's prefill tile
 
 
+def test_mxfp4_path_setting_is_checked(monkeypatch):
+    """LORAPLEX_MXFP4_PATH takes "hand" or nothing; another value (the MX dot's "mx", a
+    typo) fails at import with the variable's name, not silently as the default."""
+    from loraplex.ops.triton import quant_tiles
+
+    for value, want in (("", None), ("hand", "hand")):
+        monkeypatch.setenv("LORAPLEX_MXFP4_PATH", value)
+        assert quant_tiles._forced_mxfp4_path() == want
+    for bad in ("mx", "ptx", "Hand"):
+        monkeypatch.setenv("LORAPLEX_MXFP4_PATH", bad)
+        with pytest.raises(ValueError, match="LORAPLEX_MXFP4_PATH must be unset or 'hand'"):
+            quant_tiles._forced_mxfp4_path()
+
+
 def test_int4_experts_are_dequantized_first():
     """Int4 experts (AWQ / GPTQ MoE checkpoints), which no expert kernel reads, still
     serve: dequantized on entry, as the reference does."""

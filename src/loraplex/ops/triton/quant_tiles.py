@@ -24,7 +24,18 @@ import triton.language as tl
 from loraplex.ops.formats import MXFP4_BLOCK, Fp8Weight, Mxfp4Weight, QuantizedWeight
 from loraplex.ops.triton.precision import INTERPRETED
 
-FORCED_MXFP4_PATH = os.environ.get("LORAPLEX_MXFP4_PATH") or None
+
+def _forced_mxfp4_path() -> str | None:
+    """LORAPLEX_MXFP4_PATH: unset, or "hand" (the portable decode everywhere, to compare it
+    with the PTX one). Any other value (such as "mx", a path that is gone) is refused
+    where the kernels are imported: at startup."""
+    value = os.environ.get("LORAPLEX_MXFP4_PATH") or None
+    if value not in (None, "hand"):
+        raise ValueError(f"LORAPLEX_MXFP4_PATH must be unset or 'hand', got {value!r}")
+    return value
+
+
+FORCED_MXFP4_PATH = _forced_mxfp4_path()
 
 
 @triton.jit
