@@ -201,7 +201,11 @@ def without_activation_quant() -> None:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.expert_lora_gemv and any(v < 1 or v & (v - 1) for v in args.expert_lora_gemv):
+        parser.error(f"--expert-lora-gemv takes powers of 2 (warps, tile elements), "
+                     f"got {args.expert_lora_gemv}")
     import torch
 
     from loraplex.ops.triton import fused_moe

@@ -115,6 +115,16 @@ def test_speculative_refuses_no_waves(capsys):
     assert "--waves must be at least 1, got 0" in capsys.readouterr().err
 
 
+def test_decode_breakdown_refuses_tiles_that_are_not_powers_of_two(capsys):
+    """--expert-lora-gemv sets Triton tile sizes: a value that is not a power of 2 is refused
+    at the command line, before an engine is built."""
+    from benchmarks import decode_breakdown
+
+    with pytest.raises(SystemExit):
+        decode_breakdown.main(["--expert-lora-gemv", "4", "3000", "4096"])
+    assert "--expert-lora-gemv takes powers of 2" in capsys.readouterr().err
+
+
 def test_profile_decode_layer_timeline():
     """One decoder layer of the last profiled step, from its anchor kernel to the next,
     with each kernel's stream (a side stream's work shows beside the main one's)."""
