@@ -22,7 +22,7 @@ from collections import defaultdict
 from benchmarks import harness
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
-       "route_experts", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
+       "route_experts", "route_tokens", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
        "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped")
 BLOCKS = ("SelfAttention", "LatentSelfAttention", "SparseMoE", "SharedExpertsMoE", "GatedMLP")
 MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_gemm_quant", "moe_gemv_quant", "moe_lora_gemv",
@@ -164,6 +164,9 @@ def build_parser():
     p.add_argument("--unpaired-int4-scales", action="store_true",
                    help="int4 weights: the bf16x2 decode loads each group's scale and zero as two 2-byte "
                         "values (outside the K loop's pipeline) instead of one paired word")
+    p.add_argument("--router-gemm", action="store_true",
+                   help="MoE routers: the router's projection (cuBLAS), then route_experts, instead of "
+                        "logits and routing in one kernel (ops.route_tokens)")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -231,6 +234,9 @@ def main(argv=None):
     if args.operands_after_loop:
         from loraplex.ops.triton import moe_epilogue
         moe_epilogue.OPERANDS_BEFORE_LOOP = False
+    if args.router_gemm:
+        from loraplex.layers import moe
+        moe.ROUTE_IN_ONE_OP = False
     if args.unpaired_int4_scales:
         from loraplex.ops.triton import int4_gemm
         int4_gemm._paired_words = lambda w: False

@@ -27,8 +27,15 @@ Sections:
                then the bf16 GEMM (moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT picks),
                the bf16 experts and the dequantization alone; eager calls (CUDA events).
 
+  router       the router of a decode step (--tokens up to 64): its GEMM (cuBLAS) then
+               route_experts, against ops.route_tokens' one kernel at each of its configs
+               (experts a program, K chunk, warps), us a router, from CUDA graphs of 400
+               routers of distinct weights (more bytes than L2 holds, as in a decode step,
+               where the experts' reads leave no router in L2).
+
 Figures: benchmarks/RESULTS.md, "One MoE layer" (layer), "Expert adapters in decode"
-(decode-lora), "Prefill of quantized experts" (prefill-quant).
+(decode-lora), "Prefill of quantized experts" (prefill-quant), "The router in one
+launch" (router).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from pathlib import Path
 
 from benchmarks import harness
 
-SECTIONS = ("layer", "decode-lora", "prefill-quant")
+SECTIONS = ("layer", "decode-lora", "prefill-quant", "router")
 # prefill-quant: each bundled MoE config in its published quantized format.
 QUANT_FORMATS = {"gpt-oss-20b": "mxfp4", "qwen3-30b-a3b": "fp8"}
 
@@ -261,6 +268,46 @@ def prefill_quant(name: str, token_counts: list[int]) -> list[dict]:
     return rows
 
 
+ROUTER_CONFIGS = [(e, kc, w) for e in (4, 8, 16) for kc in (512, 1024, 2048) for w in (4, 8)]
+
+
+def router(name: str, tokens: list[int], routers: int = 400) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from loraplex.ops.triton import moe_route_gemv
+    from loraplex.ops.triton.moe_route import route_experts
+
+    shape = harness.model_shape(name)
+    e, h, k = shape.experts, shape.hidden, shape.top_k
+    biased = name.startswith("gpt-oss")  # gpt-oss's router has a bias, Qwen3-MoE's none
+    dev, dt = "cuda", torch.bfloat16
+    ws = [(torch.randn(e, h, device=dev) * 0.02).to(dt) for _ in range(routers)]
+    bs = [(torch.randn(e, device=dev) * 0.02).to(dt) if biased else None for _ in range(routers)]
+    rows, default = [], (moe_route_gemv.BLOCK_E, moe_route_gemv.BLOCK_K, moe_route_gemv.NUM_WARPS)
+    for t in [t for t in tokens if t <= moe_route_gemv.MAX_TOKENS]:
+        x = torch.randn(t, h, device=dev).to(dt)
+        want = [route_experts(F.linear(x, w, b), k, True) for w, b in zip(ws[:4], bs[:4])]
+        gemm = harness.graph_ms(lambda: [route_experts(F.linear(x, w, b), k, True) for w, b in zip(ws, bs)],
+                                per=routers) * 1e3
+        print(f"{name} router, {t} tokens: GEMM + route_experts {gemm:.2f} us", flush=True)
+        rows.append(dict(model=name, tokens=t, path="gemm", us=gemm))
+        try:
+            for cfg in ROUTER_CONFIGS:
+                moe_route_gemv.BLOCK_E, moe_route_gemv.BLOCK_K, moe_route_gemv.NUM_WARPS = cfg
+                got = [moe_route_gemv.route_tokens_gemv(x, w, b, k, True) for w, b in zip(ws[:4], bs[:4])]
+                same = sum(int(torch.equal(g[1].sort(-1).values, r[1].sort(-1).values))
+                           for g, r in zip(got, want))  # bf16 logits may round apart at a tie
+                us = harness.graph_ms(lambda: [moe_route_gemv.route_tokens_gemv(x, w, b, k, True)
+                                               for w, b in zip(ws, bs)], per=routers) * 1e3
+                print(f"  experts a program x K chunk x warps {cfg}: {us:.2f} us "
+                      f"({same}/4 routings as the GEMM's)", flush=True)
+                rows.append(dict(model=name, tokens=t, path="one kernel", config=cfg, us=us, same=same))
+        finally:
+            moe_route_gemv.BLOCK_E, moe_route_gemv.BLOCK_K, moe_route_gemv.NUM_WARPS = default
+    return rows
+
+
 def build_parser():
     p = harness.parser(__doc__)
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -301,6 +348,10 @@ def main(argv=None):
         for name in QUANT_FORMATS:
             results["prefill_quant"] += prefill_quant(name, args.tokens)
             torch.cuda.empty_cache()
+    if "router" in args.sections:
+        results["router"] = []
+        for name in harness.moe_configs():
+            results["router"] += router(name, args.tokens)
     harness.write_json(args.out, results, args)
 
 

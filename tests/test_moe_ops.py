@@ -22,6 +22,58 @@ from loraplex.ops.triton import fused_moe, moe_align, moe_configs, moe_epilogue,
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+@pytest.mark.parametrize("t,e,k,h,bias,renorm", [
+    (1, 8, 2, 40, False, True),      # one program a token holds the row
+    (5, 32, 4, 2880, True, True),    # gpt-oss's router: K in chunks, 4 programs a token
+    (7, 20, 3, 100, True, False),    # experts not a multiple of the block, K not of the chunk
+    (3, 128, 8, 64, False, True),    # Qwen3-MoE's expert count
+    (0, 8, 2, 16, False, True),
+])
+def test_route_tokens(t, e, k, h, bias, renorm, monkeypatch):
+    """The router's logits and routing in one kernel against the router's GEMM and the
+    torch routing: float32 exactly (the same experts, weights to 1e-5); bf16 within the
+    logits' rounding (each chosen expert's logit at least the best unchosen one less an
+    ulp, weights the softmax of the reference logits at the chosen experts). Twice, so the
+    second launch finds every ticket at zero again."""
+    from loraplex.ops.triton import moe_route_gemv
+
+    monkeypatch.setattr(moe_route_gemv, "BLOCK_K", 32 if h < 100 else 1024)
+    gen = torch.Generator().manual_seed(t * 7 + e)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(t, h, generator=gen).to(dtype)
+        w = (torch.randn(e, h, generator=gen) * h ** -0.5).to(dtype)
+        b = (torch.randn(e, generator=gen) * 0.1).to(dtype) if bias else None
+        logits = torch.nn.functional.linear(x, w, b).float()
+        want_w, want_ids = reference.route_tokens(x, w, b, k, renorm)
+        for _ in range(2):
+            with ops.using_backend("triton"):
+                got_w, ids = ops.route_tokens(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE) if bias else None, k,
+                                              renorm)
+            assert ids.dtype == torch.int32 and got_w.dtype == torch.float32 and ids.shape == (t, k)
+            assert int(moe_route_gemv._tickets_for(ids.device).abs().sum()) == 0
+            got_w, ids = got_w.cpu(), ids.cpu().long()
+            if dtype == torch.float32:
+                assert torch.equal(ids.sort(-1).values, want_ids.long().sort(-1).values)
+                torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+                continue
+            assert all(len(set(row)) == k for row in ids.tolist())
+            chosen = logits.gather(-1, ids)
+            others = logits.scatter(-1, ids, -float("inf")).amax(-1, keepdim=True)
+            ulp = logits.abs().amax(-1, keepdim=True) * 2 ** -7
+            assert (chosen >= others - ulp).all(), "a chosen expert's logit is below an unchosen one"
+            p = logits.softmax(-1).gather(-1, ids)
+            want = p / p.sum(-1, keepdim=True) if renorm else p
+            torch.testing.assert_close(got_w, want, rtol=2e-2, atol=1e-3)
+    # Past the kernel's token count, the GEMM and the routing kernel: the same routing.
+    x = torch.randn(moe_route_gemv.MAX_TOKENS + 1, 16, generator=gen)
+    w = torch.randn(8, 16, generator=gen)
+    with ops.using_backend("triton"):
+        got_w, ids = ops.route_tokens(x.to(DEVICE), w.to(DEVICE), None, 2, True)
+    want_w, want_ids = reference.route_tokens(x, w, None, 2, True)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w)
+
+
 def check_alignment(al, keys: torch.Tensor, num_groups: int):
     sorted_ids, groups = al.sorted_ids.cpu(), al.block_groups.cpu()
     p, bm, valid = keys.numel(), al.block_m, int(al.num_valid.item())

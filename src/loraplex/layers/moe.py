@@ -20,6 +20,11 @@ from loraplex.layers.parallel import ExpertShard, reduce_deferred
 from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import MoELoRA
 
+# Greedy routing without router LoRA through ops.route_tokens (logits and routing in one
+# op, one kernel in decode steps); False: the router's projection, then route_experts
+# (benchmarks: decode_breakdown --router-gemm).
+ROUTE_IN_ONE_OP = True
+
 
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool = False):
@@ -81,11 +86,16 @@ class SparseMoE(nn.Module):
         return ops.fp8_input_block([self.experts.gate_up_proj], tokens)
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
-        logits = getattr(self, self.router_name)(x)
-        if self.routing[0] == "greedy":
-            weights, ids = ops.route_experts(logits, self.top_k, self.renormalize)
+        router = getattr(self, self.router_name)
+        greedy = self.routing[0] == "greedy"
+        if greedy and ROUTE_IN_ONE_OP and router.tp is None and router.lora_batch() is None:
+            # No LoRA on the router this step: its logits and their routing in one op.
+            weights, ids = ops.route_tokens(x, router.weight, router.bias, self.top_k, self.renormalize)
+        elif greedy:
+            weights, ids = ops.route_experts(router(x), self.top_k, self.renormalize)
         else:
-            bias = getattr(getattr(self, self.router_name), "e_score_correction_bias", None)
+            logits = router(x)
+            bias = getattr(router, "e_score_correction_bias", None)
             weights, ids = ops.route_experts_grouped(logits, self.top_k, *self.routing, self.renormalize,
                                                      bias)
         if self.routed_scale != 1.0:

@@ -399,6 +399,15 @@ def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return _impl.route_experts(logits, top_k, renormalize)
 
 
+def route_tokens(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: route_experts(linear(x, weight, bias), top_k, renormalize): the router's
+    logits (in x's dtype, as linear returns them) and their routing, in one op so that a
+    backend may fuse the two (decode steps). x [T, H], weight [E, H] -> (weights float32
+    [T, k], expert ids int32 [T, k])."""
+    return _impl.route_tokens(x, weight, bias, top_k, renormalize)
+
+
 def route_experts_grouped(
     logits: torch.Tensor, top_k: int, method: str, num_groups: int, topk_group: int, renormalize: bool,
     correction_bias: torch.Tensor | None = None,
@@ -476,6 +485,7 @@ __all__ = [
     "quantize",
     "MoELoRA",
     "route_experts",
+    "route_tokens",
     "LoRABatch",
     "backend_name",
     "gelu_tanh_and_mul",

@@ -14,7 +14,7 @@ from loraplex.ops.reference.elementwise import (
 )
 from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_linear, lora_shrink
 from loraplex.ops.reference.mla import mla_attention, write_latent_cache
-from loraplex.ops.reference.moe import fused_experts, route_experts, route_experts_grouped
+from loraplex.ops.reference.moe import fused_experts, route_experts, route_experts_grouped, route_tokens
 from loraplex.ops.reference.quant import dequantize, quantize
 from loraplex.ops.reference.quant import linear as quant_linear
 from loraplex.ops.reference.sampling import race_sample
@@ -37,6 +37,7 @@ __all__ = [
     "quantize",
     "route_experts",
     "route_experts_grouped",
+    "route_tokens",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "grouped_lora_add",

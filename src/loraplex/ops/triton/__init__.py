@@ -29,6 +29,8 @@ from loraplex.ops.triton.lora_shrink_sgmv import lora_shrink_sgmv
 from loraplex.ops.triton.mla_decode import mla_decode_attention
 from loraplex.ops.triton.mla_prefill import mla_prefill_attention
 from loraplex.ops.triton.moe_route import route_experts
+from loraplex.ops.triton.moe_route_gemv import MAX_TOKENS as ROUTE_GEMV_MAX_TOKENS
+from loraplex.ops.triton.moe_route_gemv import route_tokens_gemv
 from loraplex.ops.triton.ngram_inputs import ngram_inputs
 from loraplex.ops.triton.paged_attention import paged_attention
 from loraplex.ops.triton.pair_rows import copy_rows_to_pairs
@@ -68,6 +70,15 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
     if gate_up.shape[0] <= GEMV_MAX_TOKENS:
         return lora_act_gemv(gate_up, buf, lora_b, batch, activation)
     return lora_act_sgmv(gate_up, buf, lora_b, batch, activation)
+
+
+def route_tokens(x, weight, bias, top_k, renormalize):
+    """Decode-sized steps with a plain weight: logits and routing in one kernel; else the
+    router's GEMM, then route_experts."""
+    if x.shape[0] <= ROUTE_GEMV_MAX_TOKENS and isinstance(weight, torch.Tensor):
+        return route_tokens_gemv(x, weight, bias, top_k, renormalize)
+    logits = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else quant_linear(x, weight, bias)
+    return route_experts(logits, top_k, renormalize)
 
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
@@ -134,6 +145,7 @@ __all__ = [
     "quant_linear",
     "route_experts",
     "route_experts_grouped",
+    "route_tokens",
     "add_rms_norm",
     "gelu_tanh_and_mul",
     "grouped_lora_add",

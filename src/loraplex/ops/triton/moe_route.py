@@ -15,17 +15,13 @@ import triton.language as tl
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 
 
-@triton.jit(do_not_specialize=["num_experts"])
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    wait_for_inputs(PDL)
-    t = tl.program_id(0).to(tl.int64)
+@triton.jit
+def store_top_k(x, valid, weights_ptr, ids_ptr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's routing from its float32 logits x [BLOCK_E] (`valid` marks the experts):
+    softmax, the TOP_K largest (lowest index first on ties), renormalised if asked,
+    stored at weights_ptr / ids_ptr. Shared with the fused router (moe_route_gemv.py)."""
     offs = tl.arange(0, BLOCK_E)
-    valid = offs < num_experts
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(valid, p, 0.0)
     p = p / tl.sum(p, 0)
@@ -41,8 +37,22 @@ def _route_kernel(
         remaining = tl.where(offs == idx, -1.0, remaining)
     if RENORMALIZE:
         w = w / tl.sum(w, 0)
-    tl.store(weights_ptr + t * TOP_K + slots, w, mask=slots < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + slots, w, mask=slots < TOP_K)
+    tl.store(ids_ptr + slots, ids, mask=slots < TOP_K)
+
+
+@triton.jit(do_not_specialize=["num_experts"])
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    wait_for_inputs(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=valid, other=-float("inf")).to(tl.float32)
+    store_top_k(x, valid, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
 
 
 def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool):
