@@ -22,8 +22,9 @@ from collections import defaultdict
 from benchmarks import harness
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
-       "route_experts", "route_tokens", "fused_experts", "lora_shrink", "lora_expand", "silu_and_mul",
-       "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped")
+       "rotate_and_store", "route_experts", "route_tokens", "fused_experts", "lora_shrink", "lora_expand",
+       "silu_and_mul", "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped",
+       "lora_linear_leaving_expand")
 BLOCKS = ("SelfAttention", "LatentSelfAttention", "SparseMoE", "SharedExpertsMoE", "GatedMLP")
 MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_gemm_quant", "moe_gemv_quant", "moe_lora_gemv",
               "moe_lora")
@@ -167,6 +168,9 @@ def build_parser():
     p.add_argument("--router-gemm", action="store_true",
                    help="MoE routers: the router's projection (cuBLAS), then route_experts, instead of "
                         "logits and routing in one kernel (ops.route_tokens)")
+    p.add_argument("--unfused-rotary", action="store_true",
+                   help="attention: q/k/v's LoRA expand, the rotary op and the KV write as three launches "
+                        "instead of ops.rotate_and_store's one")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",
@@ -237,6 +241,9 @@ def main(argv=None):
     if args.router_gemm:
         from loraplex.layers import moe
         moe.ROUTE_IN_ONE_OP = False
+    if args.unfused_rotary:
+        from loraplex.models import blocks
+        blocks.ROTATE_AND_STORE = False
     if args.unpaired_int4_scales:
         from loraplex.ops.triton import int4_gemm
         int4_gemm._paired_words = lambda w: False

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: store this step's keys/values, then attend."""
+"""Attention over the paged KV cache: store this step's keys/values, then attend (or attend
+only, where ops.rotate_and_store stored them)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,13 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> (out [T, Hq, D], its e4m3 rows [T, Hq * D] in
         blocks of fp8_block for a W8A8 o_proj, None where 0); sinks [Hq]: see
         ops.paged_attention."""
-        attn = get_forward_context().attn
-        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
-        out = ops.paged_attention(q, self.k_cache, self.v_cache, attn, self.scale, self.sliding_window, sinks,
-                                  fp8_block)
+        ops.write_kv_cache(k, v, self.k_cache, self.v_cache, get_forward_context().attn.slot_mapping)
+        return self.attend(q, sinks, fp8_block)
+
+    def attend(self, q: torch.Tensor, sinks: torch.Tensor | None = None, fp8_block: int = 0
+               ) -> tuple[torch.Tensor, Fp8Rows | None]:
+        """forward, with this step's keys and values already in the cache
+        (ops.rotate_and_store wrote them)."""
+        out = ops.paged_attention(q, self.k_cache, self.v_cache, get_forward_context().attn, self.scale,
+                                  self.sliding_window, sinks, fp8_block)
         return out if fp8_block else (out, None)

@@ -1,6 +1,6 @@
 """The plain-torch backend: every op, written for clarity; CPU path and test oracle."""
 
-from loraplex.ops.reference.attention import paged_attention, write_kv_cache
+from loraplex.ops.reference.attention import paged_attention, rotate_and_store, write_kv_cache
 from loraplex.ops.reference.elementwise import (
     add_rms_norm,
     gelu_tanh_and_mul,
@@ -12,7 +12,13 @@ from loraplex.ops.reference.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_linear, lora_shrink
+from loraplex.ops.reference.lora import (
+    lora_act_and_mul,
+    lora_expand,
+    lora_linear,
+    lora_linear_leaving_expand,
+    lora_shrink,
+)
 from loraplex.ops.reference.mla import mla_attention, write_latent_cache
 from loraplex.ops.reference.moe import fused_experts, route_experts, route_experts_grouped, route_tokens
 from loraplex.ops.reference.quant import dequantize, quantize
@@ -44,6 +50,7 @@ __all__ = [
     "lora_act_and_mul",
     "lora_expand",
     "lora_linear",
+    "lora_linear_leaving_expand",
     "lora_shrink",
     "paged_attention",
     "race_sample",
@@ -55,6 +62,7 @@ __all__ = [
     "rope_train",
     "rope_train_backward",
     "rotary_embedding",
+    "rotate_and_store",
     "silu_and_mul",
     "silu_mul_weighted",
     "silu_mul_weighted_backward",
