@@ -23,8 +23,7 @@ from benchmarks import harness
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "add_rms_norm", "rotary_embedding",
        "rotate_and_store", "route_experts", "route_tokens", "fused_experts", "lora_shrink", "lora_expand",
-       "silu_and_mul", "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped",
-       "lora_linear_leaving_expand")
+       "silu_and_mul", "gelu_tanh_and_mul", "write_latent_cache", "mla_attention", "route_experts_grouped")
 BLOCKS = ("SelfAttention", "LatentSelfAttention", "SparseMoE", "SharedExpertsMoE", "GatedMLP")
 MOE_STAGES = ("align_experts", "align_lora", "moe_gemm", "moe_gemm_quant", "moe_gemv_quant", "moe_lora_gemv",
               "moe_lora")
@@ -169,8 +168,8 @@ def build_parser():
                    help="MoE routers: the router's projection (cuBLAS), then route_experts, instead of "
                         "logits and routing in one kernel (ops.route_tokens)")
     p.add_argument("--unfused-rotary", action="store_true",
-                   help="attention: q/k/v's LoRA expand, the rotary op and the KV write as three launches "
-                        "instead of ops.rotate_and_store's one")
+                   help="attention: the rotary op and the KV write as two launches instead of "
+                        "ops.rotate_and_store's one")
     p.add_argument("--random-prompts", action="store_true",
                    help="random prompt tokens (MoE: routing spread as in serving) instead of one repeated")
     p.add_argument("--routing-stats", action="store_true",

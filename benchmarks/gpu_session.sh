@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words gate-up-beside |
+#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words gate-up-beside router rotate-store |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -161,6 +161,21 @@ for step in $STEPS; do
           --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
           --lora-targets q_proj k_proj v_proj o_proj experts $flags \
           --out "$OUT/gate-up-gpt-oss${tag:+-$tag}.json" | grep -E "decode graph|moe_lora"
+      done ;;
+    router)  # RESULTS: "The router in one launch" (the kernel's configs against the GEMM and
+      # route_experts, then gpt-oss-20b MXFP4's base decode graph both ways)
+      run router 300 moe_kernels --sections router --tokens 16 64 --out "$OUT/router.json" | grep -E "GEMM|config"
+      for flag in "" --router-gemm; do
+        run router-graph${flag:+-gemm} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 --batch 16 \
+          --prompt-len 1600 --adapters 0 $flag --out "$OUT/router-graph${flag:+-gemm}.json" | grep -E "decode graph|rout"
+      done ;;
+    rotate-store)  # RESULTS: "Rotary and the KV write in one launch" (gpt-oss-20b MXFP4's decode
+      # graphs, base and 16 adapters, one launch and two)
+      for flag in "" --unfused-rotary; do
+        run rotate-store${flag:+-unfused} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 \
+          --batch 16 --prompt-len 1600 --adapters 16 --expert-adapters \
+          --lora-targets q_proj k_proj v_proj o_proj experts $flag \
+          --out "$OUT/rotate-store${flag:+-unfused}.json" | grep -E "decode graph"
       done ;;
     int4-scales)  # RESULTS: "Scales in the K loop's pipeline" (Llama-3.1-8B AWQ's decode graphs, 32 in
       # flight, base and 32 adapters: (scale, zero) words copied ahead, and 2-byte loads in the loop)

@@ -24,7 +24,7 @@ from loraplex.layers.context import get_forward_context
 from loraplex.layers.lora_weights import LoRAWeights
 from loraplex.layers.parallel import LinearShard, reduce_deferred
 from loraplex.ops.formats import Fp8Rows
-from loraplex.ops.metadata import LoRABatch, PendingExpand
+from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.side_streams import beside, join
 
 _DEFERRED = contextvars.ContextVar("loraplex_weights_deferred", default=False)
@@ -101,21 +101,6 @@ class LoRALinear(nn.Module):
         if self.tp is not None and self.tp.reduces and not reduce_deferred():
             self.tp.group.all_reduce(y)  # partial sums, adapter deltas included
         return y
-
-    def forward_leaving_expand(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None
-                               ) -> tuple[torch.Tensor, PendingExpand | None]:
-        """forward, except that where the backend would run the adapters' expand as a
-        launch of its own it is left to the op that reads the output next: (y without the
-        delta, the PendingExpand to hand that op; ops.lora_linear_leaving_expand). Steps
-        without adapters here, DoRA steps and outputs all-reduced across ranks: (forward(x),
-        None)."""
-        batch = self.lora_batch()
-        if (batch is None or (batch.dora and self.lora.dora_scale is not None)
-                or (self.tp is not None and self.tp.reduces)):
-            return self(x, x_fp8), None
-        return ops.lora_linear_leaving_expand(x, self.weight, self.bias, self.lora.a, self.lora.b,
-                                              self.output_sizes, batch, get_forward_context().aux_stream,
-                                              x_fp8)
 
     def base_and_shrink(self, x: torch.Tensor, x_fp8: Fp8Rows | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,8 @@ from loraplex.layers.rotary import RotaryEmbedding
 from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import QKNorm
 
-# Attention's q/k/v: the projection's LoRA expand (where it would be a launch of its own),
-# rotary and the KV cache write in one op (ops.rotate_and_store); False: the projection
-# whole, the rotary op, the write inside PagedAttention (benchmarks: decode_breakdown
+# Attention's rotary and KV cache write in one op (ops.rotate_and_store); False: the
+# rotary op, then the write inside PagedAttention (benchmarks: decode_breakdown
 # --unfused-rotary).
 ROTATE_AND_STORE = True
 
@@ -55,21 +54,17 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, x_fp8: Fp8Rows | None = None) -> torch.Tensor:
         t = x.shape[0]
-        if ROTATE_AND_STORE:  # q/k/v's pending LoRA expand, rotary and the KV write: one op
-            qkv, expand = self.qkv_proj.forward_leaving_expand(x, x_fp8)
-        else:
-            qkv, expand = self.qkv_proj(x, x_fp8), None
-        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x, x_fp8).split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         qk_norm = None
         if hasattr(self, "q_norm"):  # applied by the rotary op, in its launch
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
-        if ROTATE_AND_STORE:
+        if ROTATE_AND_STORE:  # rotary and the KV write in one op
             attn = self.attn
             q = ops.rotate_and_store(q, k, v, positions, self.rotary.cos_sin, attn.k_cache, attn.v_cache,
-                                     get_forward_context().attn.slot_mapping, qk_norm, expand)
+                                     get_forward_context().attn.slot_mapping, qk_norm)
             o, o_fp8 = attn.attend(q, self.sinks, self.o_proj.fp8_input_block(t))
         else:
             q, k = self.rotary(positions, q, k, qk_norm)

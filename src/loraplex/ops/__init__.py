@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.formats import Fp8Rows, QuantizedWeight
-from loraplex.ops.metadata import AttentionBatch, LoRABatch, MLALoRA, MoELoRA, PendingExpand, QKNorm
+from loraplex.ops.metadata import AttentionBatch, LoRABatch, MLALoRA, MoELoRA, QKNorm
 from loraplex.ops.reference.quant import w8a8
 
 _BACKENDS = {"torch": "loraplex.ops.reference", "triton": "loraplex.ops.triton"}
@@ -142,18 +142,6 @@ def lora_linear(
     return _impl.lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream, x_fp8)
 
 
-def lora_linear_leaving_expand(
-    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    slice_sizes: tuple[int, ...], batch: LoRABatch, side_stream: torch.cuda.Stream | None = None,
-    x_fp8: Fp8Rows | None = None,
-) -> tuple[torch.Tensor, PendingExpand | None]:
-    """Semantics: lora_linear, with its expand left to the op that reads the output next
-    where the backend would run it as a launch of its own: (y without the adapters'
-    delta, the PendingExpand that op adds), or (lora_linear's y, None)."""
-    return _impl.lora_linear_leaving_expand(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream,
-                                            x_fp8)
-
-
 def lora_act_and_mul(
     gate_up: torch.Tensor,
     buf: torch.Tensor,
@@ -272,14 +260,11 @@ def write_kv_cache(
 def rotate_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, qk_norm: QKNorm | None = None,
-    expand: PendingExpand | None = None,
 ) -> torch.Tensor:
-    """Semantics: with `expand`, q, k and v (the slices, in that order, of one projection's
-    output) first take their adapters' deltas (lora_expand); then q, k = rotary_embedding(q,
-    k, positions, cos_sin, qk_norm); write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
-    returns q. q, k, v are not written."""
-    return _impl.rotate_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm,
-                                  expand)
+    """Semantics: q, k = rotary_embedding(q, k, positions, cos_sin, qk_norm);
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping); returns q (q, k, v themselves are
+    not written). One op so that a backend may do both in one pass over k."""
+    return _impl.rotate_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm)
 
 
 def paged_attention(
@@ -512,7 +497,6 @@ __all__ = [
     "route_experts",
     "route_tokens",
     "rotate_and_store",
-    "lora_linear_leaving_expand",
     "LoRABatch",
     "backend_name",
     "gelu_tanh_and_mul",

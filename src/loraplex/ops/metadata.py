@@ -67,17 +67,6 @@ class LoRABatch:
 
 
 @dataclass
-class PendingExpand:
-    """A projection's LoRA expand left to the op that reads its output next (ops.
-    lora_linear_leaving_expand -> ops.rotate_and_store), which adds each token's delta
-    y[t, slice s] += buf[s, t] @ B[slot(t), slice s].T first, as lora_expand would."""
-
-    buf: torch.Tensor  # [S, T, R] float32: lora_shrink's rows
-    lora_b: torch.Tensor  # [L, N, R]: the slots' B (scaling folded in)
-    batch: LoRABatch
-
-
-@dataclass
 class QKNorm:
     """Per-head RMSNorm of q and k before rotary (Qwen3, Gemma 3), as ops.rms_norm."""
 

@@ -12,13 +12,7 @@ from loraplex.ops.reference.elementwise import (
     rotary_embedding,
     silu_and_mul,
 )
-from loraplex.ops.reference.lora import (
-    lora_act_and_mul,
-    lora_expand,
-    lora_linear,
-    lora_linear_leaving_expand,
-    lora_shrink,
-)
+from loraplex.ops.reference.lora import lora_act_and_mul, lora_expand, lora_linear, lora_shrink
 from loraplex.ops.reference.mla import mla_attention, write_latent_cache
 from loraplex.ops.reference.moe import fused_experts, route_experts, route_experts_grouped, route_tokens
 from loraplex.ops.reference.quant import dequantize, quantize
@@ -50,7 +44,6 @@ __all__ = [
     "lora_act_and_mul",
     "lora_expand",
     "lora_linear",
-    "lora_linear_leaving_expand",
     "lora_shrink",
     "paged_attention",
     "race_sample",

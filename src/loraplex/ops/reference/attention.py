@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from loraplex.ops.formats import Fp8Rows
 from loraplex.ops.metadata import AttentionBatch
 from loraplex.ops.reference.elementwise import rotary_embedding
-from loraplex.ops.reference.lora import lora_expand
 from loraplex.ops.reference.quant import quantize_activations
 
 
@@ -26,14 +25,8 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def rotate_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm=None, expand=None):
-    """The adapters' deltas into (copies of) q, k, v, then rotary_embedding and
-    write_kv_cache, as the unfused ops run them."""
-    if expand is not None:
-        t, sizes = q.shape[0], (q[0].numel(), k[0].numel(), v[0].numel())
-        y = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), 1)
-        lora_expand(expand.buf, expand.lora_b, y, sizes, expand.batch)
-        q, k, v = (part.view(t, -1, q.shape[-1]) for part in y.split(sizes, 1))
+def rotate_and_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qk_norm=None):
+    """rotary_embedding, then write_kv_cache, as the two ops run them."""
     q, k = rotary_embedding(q, k, positions, cos_sin, qk_norm)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     return q

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.formats import QuantizedWeight
-from loraplex.ops.metadata import LoRABatch, PendingExpand
+from loraplex.ops.metadata import LoRABatch
 from loraplex.ops.reference.elementwise import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.reference.quant import linear as quant_linear
 
@@ -52,15 +52,6 @@ def lora_act_and_mul(
     width = y.shape[1] // 2
     lora_expand(buf, lora_b, y, (width, width), batch)
     return silu_and_mul(y) if activation == "silu" else gelu_tanh_and_mul(y)
-
-
-def lora_linear_leaving_expand(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None,
-                               x_fp8=None):
-    """A plain weight leaves its expand to the next op (as the Triton backend does in
-    decode); a quantized one returns lora_linear's output."""
-    if isinstance(weight, QuantizedWeight):
-        return lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch), None
-    return F.linear(x, weight, bias), PendingExpand(lora_shrink(x, lora_a, batch), lora_b, batch)
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None,

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from loraplex.ops import reference
 from loraplex.ops.formats import Fp8Rows, Fp8Weight, Int4Weight, QuantizedWeight
-from loraplex.ops.metadata import PendingExpand, make_lora_batch
+from loraplex.ops.metadata import make_lora_batch
 from loraplex.ops.side_streams import beside, join
 from loraplex.ops.triton.activation import gelu_tanh_and_mul, silu_and_mul
 from loraplex.ops.triton.dequantize import dequantize as _dequantize
@@ -124,20 +124,6 @@ def lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream
     return y
 
 
-def lora_linear_leaving_expand(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream=None,
-                               x_fp8=None):
-    """Decode-sized steps on a plain weight, where the expand would be a GEMV launch of its
-    own after cuBLAS: the shrink beside the base matmul, the expand left to the next op.
-    Otherwise lora_linear (a quantized GEMM's split-K sum takes the expand already)."""
-    if not isinstance(weight, torch.Tensor) or x.shape[0] > GEMV_MAX_TOKENS:
-        return lora_linear(x, weight, bias, lora_a, lora_b, slice_sizes, batch, side_stream, x_fp8), None
-    with beside(side_stream):
-        buf = lora_shrink(x, lora_a, batch)
-    y = F.linear(x, weight, bias)
-    join(side_stream)
-    return y, PendingExpand(buf, lora_b, batch)
-
-
 def warm_up_lora(lora_a, lora_b, slice_sizes, max_tokens):
     """The GEMV kernels' split-K (and a stride or two) follow the token count, so each
     count up to GEMV_MAX_TOKENS may be its own compiled variant: run them all once, with
@@ -179,7 +165,6 @@ __all__ = [
     "rope_train_backward",
     "rotary_embedding",
     "rotate_and_store",
-    "lora_linear_leaving_expand",
     "silu_and_mul",
     "silu_mul_weighted",
     "silu_mul_weighted_backward",

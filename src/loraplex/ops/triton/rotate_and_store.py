@@ -1,16 +1,11 @@
-"""Rotary for q and k, k and v into the paged KV cache, and the q/k/v projection's
-pending LoRA expand, in one launch (ops.rotate_and_store).
+"""Rotary for q and k, and k and v into the paged KV cache, in one launch
+(ops.rotate_and_store).
 
 One program per (token, group of BLOCK_H heads): q's groups first, then k's, then v's.
-A program loads its heads' two halves, adds the token's adapter delta where an expand is
-pending (B's rows for those columns times the token's shrunk row, reduced in registers,
-rounded to the model dtype as lora_expand stores it), normalises (q/k norm) and rotates q
-and k as the rotary kernel does, and stores q to the output and k or v to the token's
-cache slot (a negative slot: padding, nothing stored). In a decode step this replaces
-three launches (the expand, the rotary, the KV write), each of which read what the one
-before had just written; with BLOCK_H heads a program the grid has ~10 programs a token
-where the rotary kernel had one, so the expand's B rows (~160 KB a token for
-gpt-oss-20b) are read by many SMs at once.
+A program loads its heads' two halves, normalises (q/k norm) and rotates q and k as the
+rotary kernel does, and stores q to the output and k or v to the token's cache slot (a
+negative slot: padding, nothing stored). In a decode step this replaces two launches, the
+rotary and the KV write, the second of which read what the first had just written.
 """
 
 from __future__ import annotations
@@ -19,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.ops.metadata import PendingExpand, QKNorm
+from loraplex.ops.metadata import QKNorm
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
-from loraplex.ops.triton.lora_common import rank_ceil
 from loraplex.ops.triton.rms_norm import scale_normed
 
 # Head-halves a program: BLOCK_H x head_dim / 2 of about this many values.
@@ -31,13 +25,11 @@ HALF_VALUES = 256
 @triton.jit
 def _heads(
     t, h0, src_ptr, stride_st, stride_sh, dst_ptr, stride_dh, n_heads, cos, sin, w_ptr, eps,
-    buf_ptr, b_ptr, slot, rank, stride_bs, stride_bm, stride_wl, stride_wn,
-    WHICH: tl.constexpr, COL0: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, LORA: tl.constexpr, ROTATE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """Heads h0 .. h0 + BLOCK_H of slice WHICH (0 q, 1 k, 2 v) of token t: delta, norm,
-    rotation, stored at dst_ptr + head * stride_dh."""
+    """Heads h0 .. h0 + BLOCK_H of token t: norm, rotation, stored at dst_ptr + head *
+    stride_dh."""
     h = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     mask = (h < n_heads)[:, None] & (d < HALF)[None, :]
@@ -45,19 +37,6 @@ def _heads(
     dtype = src_ptr.dtype.element_ty
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if LORA:
-        if slot >= 0:
-            r = tl.arange(0, BLOCK_R)
-            v = tl.load(buf_ptr + WHICH * stride_bs + t * stride_bm + r, mask=r < rank, other=0.0)
-            v = v[None, None, :]
-            # B is zero past the rank in every slot: read to rank_ceil in whole vectors.
-            w_mask = mask[:, :, None] & (r < rank_ceil(rank))[None, None, :]
-            col = COL0 + h[:, None] * HEAD_DIM + d[None, :]
-            w = b_ptr + slot * stride_wl + col[:, :, None] * stride_wn + r[None, None, :]
-            d1 = tl.sum(tl.load(w, mask=w_mask, other=0.0).to(tl.float32) * v, axis=2)
-            d2 = tl.sum(tl.load(w + HALF * stride_wn, mask=w_mask, other=0.0).to(tl.float32) * v, axis=2)
-            x1 = (x1 + d1).to(dtype).to(tl.float32)  # as lora_expand stores the projection
-            x2 = (x2 + d2).to(dtype).to(tl.float32)
     if NORM:  # each head's RMSNorm first, rounded as ops.rms_norm rounds it
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -76,12 +55,11 @@ def _heads(
 @triton.jit
 def _rotate_and_store_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, eps, cache_slot_ptr,
-    buf_ptr, b_ptr, token_slot_ptr, slot_ranks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
-    stride_cb, stride_cs, stride_ch, stride_cos, stride_bs, stride_bm, stride_wl, stride_wn,
+    stride_cb, stride_cs, stride_ch, stride_cos,
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, LORA: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0)
@@ -96,35 +74,25 @@ def _rotate_and_store_kernel(
     cs = cs_ptr + pos * stride_cos + d
     cos = tl.load(cs, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
     sin = tl.load(cs + HALF, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
-    slot = -1
-    rank = 0
-    if LORA:
-        slot = tl.load(token_slot_ptr + t)
-        rank = tl.load(slot_ranks_ptr + tl.maximum(slot, 0))
     if g < Q_GROUPS:
         _heads(t, g * BLOCK_H, q_ptr, stride_qt, stride_qh, qo_ptr + t * stride_qot, stride_qoh, NUM_Q,
-               cos, sin, qw_ptr, eps, buf_ptr, b_ptr, slot, rank, stride_bs, stride_bm, stride_wl, stride_wn,
-               0, 0, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF, BLOCK_R, NORM, UNIT_OFFSET, LORA, True)
+               cos, sin, qw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
     else:
         cache_slot = tl.load(cache_slot_ptr + t)
         if cache_slot >= 0:  # else a padding token: nothing to store
             at = (cache_slot // PAGE) * stride_cb + (cache_slot % PAGE) * stride_cs
             if g < Q_GROUPS + K_GROUPS:
                 _heads(t, (g - Q_GROUPS) * BLOCK_H, k_ptr, stride_kt, stride_kh, kc_ptr + at, stride_ch,
-                       NUM_K, cos, sin, kw_ptr, eps, buf_ptr, b_ptr, slot, rank, stride_bs, stride_bm,
-                       stride_wl, stride_wn, 1, NUM_Q * HEAD_DIM, HEAD_DIM, HALF, BLOCK_H, BLOCK_HALF,
-                       BLOCK_R, NORM, UNIT_OFFSET, LORA, True)
+                       NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
             else:
                 _heads(t, (g - Q_GROUPS - K_GROUPS) * BLOCK_H, v_ptr, stride_vt, stride_vh, vc_ptr + at,
-                       stride_ch, NUM_K, cos, sin, kw_ptr, eps, buf_ptr, b_ptr, slot, rank, stride_bs,
-                       stride_bm, stride_wl, stride_wn, 2, (NUM_Q + NUM_K) * HEAD_DIM, HEAD_DIM, HALF,
-                       BLOCK_H, BLOCK_HALF, BLOCK_R, False, False, LORA, False)
+                       stride_ch, NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, False, False,
+                       False)
 
 
 def rotate_and_store(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, qk_norm: QKNorm | None = None,
-    expand: PendingExpand | None = None,
 ) -> torch.Tensor:
     """See loraplex.ops.rotate_and_store."""
     num_tokens, num_q, head_dim = q.shape
@@ -132,32 +100,21 @@ def rotate_and_store(
     assert head_dim % 2 == 0 and k.shape == v.shape == (num_tokens, num_k, head_dim)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    half = head_dim // 2
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    block_half = triton.next_power_of_2(half)
+    block_half = triton.next_power_of_2(head_dim // 2)
     block_h = max(1, min(triton.next_power_of_2(max(num_q, num_k)), HALF_VALUES // block_half))
     groups = triton.cdiv(num_q, block_h) + 2 * triton.cdiv(num_k, block_h)
-    if expand is not None:
-        buf, lora_b, batch = expand.buf, expand.lora_b, expand.batch
-        assert buf.shape[:2] == (3, num_tokens) and lora_b.shape[1] == (num_q + 2 * num_k) * head_dim
-        assert buf.stride(2) == 1 and lora_b.stride(2) == 1
-        lora_args = (buf, lora_b, batch.token_slot, batch.slot_ranks)
-        lora_strides = (buf.stride(0), buf.stride(1), lora_b.stride(0), lora_b.stride(1))
-    else:
-        lora_args, lora_strides = (q, q, positions, positions), (0, 0, 0, 0)
     if num_tokens:
         _rotate_and_store_kernel[(num_tokens, groups)](
             q, k, v, q_out, k_cache, v_cache, positions, cos_sin,
             qk_norm.q_weight if qk_norm else cos_sin, qk_norm.k_weight if qk_norm else cos_sin,
-            qk_norm.eps if qk_norm else 0.0, slot_mapping, *lora_args,
+            qk_norm.eps if qk_norm else 0.0, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             q_out.stride(0), q_out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            cos_sin.stride(0), *lora_strides,
+            cos_sin.stride(0),
             NUM_Q=num_q, NUM_K=num_k, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
             BLOCK_H=block_h, BLOCK_HALF=block_half,
-            BLOCK_R=triton.next_power_of_2(expand.buf.shape[2]) if expand is not None else 1,
-            NORM=qk_norm is not None, UNIT_OFFSET=bool(qk_norm and qk_norm.unit_offset),
-            LORA=expand is not None, num_warps=4,
+            NORM=qk_norm is not None, UNIT_OFFSET=bool(qk_norm and qk_norm.unit_offset), num_warps=4,
             **pdl(),
         )
     return q_out
