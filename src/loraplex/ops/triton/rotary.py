@@ -19,6 +19,20 @@ from loraplex.ops.triton.rms_norm import scale_normed
 
 
 @triton.jit
+def head_norm(x1, x2, w_ptr, eps, dtype,
+              HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Each head's RMSNorm (q/k norm) over its two halves x1, x2 [heads, BLOCK_HALF]
+    (float32), rounded as ops.rms_norm rounds it. Shared with rotate_and_store."""
+    d = tl.arange(0, BLOCK_HALF)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
+    x1 = scale_normed(x1 * rstd[:, None], w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+    x2 = scale_normed(x2 * rstd[:, None], w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
@@ -48,12 +62,8 @@ def _rotary_kernel(
         mask = (h[:, None] < n) & d_mask[None, :]
         x1 = tl.load(src + h[:, None] * s_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + h[:, None] * s_h + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if NORM:  # each head's RMSNorm first, rounded as ops.rms_norm rounds it
-            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-            w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-            x1 = scale_normed(x1 * rstd[:, None], w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
-            x2 = scale_normed(x2 * rstd[:, None], w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+        if NORM:
+            x1, x2 = head_norm(x1, x2, w_ptr, eps, dtype, HALF, BLOCK_HALF, UNIT_OFFSET)
         tl.store(dst + h[:, None] * d_h + d[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
         tl.store(dst + h[:, None] * d_h + HALF + d[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
 

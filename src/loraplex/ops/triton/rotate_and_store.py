@@ -16,7 +16,7 @@ import triton.language as tl
 
 from loraplex.ops.metadata import QKNorm
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
-from loraplex.ops.triton.rms_norm import scale_normed
+from loraplex.ops.triton.rotary import head_norm
 
 # Head-halves a program: BLOCK_H x head_dim / 2 of about this many values.
 HALF_VALUES = 256
@@ -37,12 +37,8 @@ def _heads(
     dtype = src_ptr.dtype.element_ty
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # each head's RMSNorm first, rounded as ops.rms_norm rounds it
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = scale_normed(x1 * rstd[:, None], w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
-        x2 = scale_normed(x2 * rstd[:, None], w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
+    if NORM:  # each head's RMSNorm first
+        x1, x2 = head_norm(x1, x2, w_ptr, eps, dtype, HALF, BLOCK_HALF, UNIT_OFFSET)
     if ROTATE:
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
     else:
