@@ -74,6 +74,24 @@ def test_route_tokens(t, e, k, h, bias, renorm, monkeypatch):
     torch.testing.assert_close(got_w.cpu(), want_w)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_route_tokens_of_a_quantized_router(backend):
+    """A quantized router (FP8 blocks) routes through its own GEMM, then route_experts, on
+    either backend: the routing of its dequantized logits."""
+    from loraplex.ops.formats import Fp8Weight
+    from loraplex.ops.reference.quant import quantize_fp8
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, generator=gen)
+    values = torch.randn(16, 256, generator=gen) * 256 ** -0.5
+    w = quantize_fp8(values, 128, out=Fp8Weight((16, 256), 128, torch.float32))
+    want_w, want_ids = reference.route_experts(torch.nn.functional.linear(x, ops.dequantize(w)), 4, True)
+    with ops.using_backend(backend):
+        got_w, ids = ops.route_tokens(x.to(DEVICE), w.to(DEVICE), None, 4, True)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-5, atol=1e-6)
+
+
 def check_alignment(al, keys: torch.Tensor, num_groups: int):
     sorted_ids, groups = al.sorted_ids.cpu(), al.block_groups.cpu()
     p, bm, valid = keys.numel(), al.block_m, int(al.num_valid.item())

@@ -415,6 +415,8 @@ def route_tokens(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, top
     logits (in x's dtype, as linear returns them) and their routing, in one op so that a
     backend may fuse the two (decode steps). x [T, H], weight [E, H] -> (weights float32
     [T, k], expert ids int32 [T, k])."""
+    if not isinstance(weight, torch.Tensor):  # a quantized router: its GEMM, then the routing
+        return route_experts(linear(x, weight, bias), top_k, renormalize)
     return _impl.route_tokens(x, weight, bias, top_k, renormalize)
 
 

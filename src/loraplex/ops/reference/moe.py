@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.ops.metadata import MoELoRA
-from loraplex.ops.reference.quant import dequantize, dequantized_activations, fp8_values, linear, w8a8
+from loraplex.ops.reference.quant import dequantize, dequantized_activations, fp8_values, w8a8
 
 SWIGLU_OAI_ALPHA = 1.702  # gpt-oss: glu = gate * sigmoid(alpha * gate)
 
@@ -23,11 +23,10 @@ def route_experts(logits: torch.Tensor, top_k: int, renormalize: bool):
     return weights, ids.to(torch.int32)
 
 
-def route_tokens(x: torch.Tensor, weight, bias: torch.Tensor | None, top_k: int, renormalize: bool):
-    """The router's logits, x W^T + b in x's dtype (W a tensor or a quantized weight), then
-    route_experts."""
-    logits = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else linear(x, weight, bias)
-    return route_experts(logits, top_k, renormalize)
+def route_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                 renormalize: bool):
+    """The router's logits, x W^T + b in x's dtype, then route_experts."""
+    return route_experts(F.linear(x, weight, bias), top_k, renormalize)
 
 
 def apply_activation(gate_up: torch.Tensor, activation: str, swiglu_limit: float | None = None):

@@ -74,12 +74,11 @@ def lora_act_and_mul(gate_up, buf, lora_b, batch, activation):
 
 
 def route_tokens(x, weight, bias, top_k, renormalize):
-    """Decode-sized steps with a plain weight: logits and routing in one kernel; else the
-    router's GEMM, then route_experts."""
-    if x.shape[0] <= ROUTE_GEMV_MAX_TOKENS and isinstance(weight, torch.Tensor):
+    """Decode-sized steps: logits and routing in one kernel; else the router's GEMM, then
+    route_experts."""
+    if x.shape[0] <= ROUTE_GEMV_MAX_TOKENS:
         return route_tokens_gemv(x, weight, bias, top_k, renormalize)
-    logits = F.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else quant_linear(x, weight, bias)
-    return route_experts(logits, top_k, renormalize)
+    return route_experts(F.linear(x, weight, bias), top_k, renormalize)
 
 
 def dequantize(w: QuantizedWeight) -> torch.Tensor:
