@@ -22,7 +22,7 @@ from loraplex.ops.triton.rms_norm import scale_normed
 def head_norm(x1, x2, w_ptr, eps, dtype,
               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """Each head's RMSNorm (q/k norm) over its two halves x1, x2 [heads, BLOCK_HALF]
-    (float32), rounded as ops.rms_norm rounds it. Shared with rotate_and_store."""
+    (float32), rounded as ops.rms_norm rounds it."""
     d = tl.arange(0, BLOCK_HALF)
     rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
     w1 = tl.load(w_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -30,6 +30,42 @@ def head_norm(x1, x2, w_ptr, eps, dtype,
     x1 = scale_normed(x1 * rstd[:, None], w1, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
     x2 = scale_normed(x2 * rstd[:, None], w2, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
     return x1, x2
+
+
+@triton.jit
+def cos_sin_at(cs_ptr, pos, stride_cs, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """cos and sin [1, BLOCK_HALF] of position pos, from the float32 table, rounded to the
+    model dtype first as Hugging Face does, then float32."""
+    d = tl.arange(0, BLOCK_HALF)
+    cs = cs_ptr + pos * stride_cs + d
+    cos = tl.load(cs, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(cs + HALF, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotate_heads(
+    src_ptr, stride_sh, dst_ptr, stride_dh, h0, n_heads, cos, sin, w_ptr, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ROTATE: tl.constexpr,
+):
+    """Heads h0 .. h0 + BLOCK_H (of n_heads) of one token, at src_ptr + head * stride_sh:
+    q/k norm (NORM), rotation (ROTATE; else copied), stored at dst_ptr + head * stride_dh.
+    Shared with rotate_and_store."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = (h < n_heads)[:, None] & (d < HALF)[None, :]
+    src = src_ptr + h[:, None] * stride_sh + d[None, :]
+    dtype = src_ptr.dtype.element_ty
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = head_norm(x1, x2, w_ptr, eps, dtype, HALF, BLOCK_HALF, UNIT_OFFSET)
+    if ROTATE:
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    dst = dst_ptr + h[:, None] * stride_dh + d[None, :]
+    tl.store(dst, x1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, x2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -43,29 +79,11 @@ def _rotary_kernel(
 ):
     wait_for_inputs(PDL)
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=d_mask, other=0.0)
-    dtype = q_ptr.dtype.element_ty
-    cos = cos.to(dtype).to(tl.float32)[None, :]
-    sin = sin.to(dtype).to(tl.float32)[None, :]
-    h = tl.arange(0, BLOCK_H)
-    for which in tl.static_range(2):
-        if which == 0:
-            src, dst, n, w_ptr = q_ptr + t * stride_qt, qo_ptr + t * stride_qot, NUM_Q, qw_ptr
-            s_h, d_h = stride_qh, stride_qoh
-        else:
-            src, dst, n, w_ptr = k_ptr + t * stride_kt, ko_ptr + t * stride_kot, NUM_K, kw_ptr
-            s_h, d_h = stride_kh, stride_koh
-        mask = (h[:, None] < n) & d_mask[None, :]
-        x1 = tl.load(src + h[:, None] * s_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + h[:, None] * s_h + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        if NORM:
-            x1, x2 = head_norm(x1, x2, w_ptr, eps, dtype, HALF, BLOCK_HALF, UNIT_OFFSET)
-        tl.store(dst + h[:, None] * d_h + d[None, :], (x1 * cos - x2 * sin).to(dtype), mask=mask)
-        tl.store(dst + h[:, None] * d_h + HALF + d[None, :], (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    cos, sin = cos_sin_at(cs_ptr, tl.load(pos_ptr + t), stride_cs, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
+    rotate_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_qot, stride_qoh, 0, NUM_Q, cos, sin,
+                 qw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
+    rotate_heads(k_ptr + t * stride_kt, stride_kh, ko_ptr + t * stride_kot, stride_koh, 0, NUM_K, cos, sin,
+                 kw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
 
 
 def rotary_embedding(

@@ -16,36 +16,10 @@ import triton.language as tl
 
 from loraplex.ops.metadata import QKNorm
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
-from loraplex.ops.triton.rotary import head_norm
+from loraplex.ops.triton.rotary import cos_sin_at, rotate_heads
 
 # Head-halves a program: BLOCK_H x head_dim / 2 of about this many values.
 HALF_VALUES = 256
-
-
-@triton.jit
-def _heads(
-    t, h0, src_ptr, stride_st, stride_sh, dst_ptr, stride_dh, n_heads, cos, sin, w_ptr, eps,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, ROTATE: tl.constexpr,
-):
-    """Heads h0 .. h0 + BLOCK_H of token t: norm, rotation, stored at dst_ptr + head *
-    stride_dh."""
-    h = h0 + tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_HALF)
-    mask = (h < n_heads)[:, None] & (d < HALF)[None, :]
-    src = src_ptr + t * stride_st + h[:, None] * stride_sh + d[None, :]
-    dtype = src_ptr.dtype.element_ty
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # each head's RMSNorm first
-        x1, x2 = head_norm(x1, x2, w_ptr, eps, dtype, HALF, BLOCK_HALF, UNIT_OFFSET)
-    if ROTATE:
-        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    else:
-        y1, y2 = x1, x2
-    dst = dst_ptr + h[:, None] * stride_dh + d[None, :]
-    tl.store(dst, y1.to(dst_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, y2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -63,27 +37,22 @@ def _rotate_and_store_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     Q_GROUPS: tl.constexpr = (NUM_Q + BLOCK_H - 1) // BLOCK_H
     K_GROUPS: tl.constexpr = (NUM_K + BLOCK_H - 1) // BLOCK_H
-    pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, BLOCK_HALF)
-    dtype = q_ptr.dtype.element_ty
-    # cos/sin rounded to the model dtype first, as Hugging Face does
-    cs = cs_ptr + pos * stride_cos + d
-    cos = tl.load(cs, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
-    sin = tl.load(cs + HALF, mask=d < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+    cos, sin = cos_sin_at(cs_ptr, tl.load(pos_ptr + t), stride_cos, q_ptr.dtype.element_ty, HALF, BLOCK_HALF)
     if g < Q_GROUPS:
-        _heads(t, g * BLOCK_H, q_ptr, stride_qt, stride_qh, qo_ptr + t * stride_qot, stride_qoh, NUM_Q,
-               cos, sin, qw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, qo_ptr + t * stride_qot, stride_qoh, g * BLOCK_H,
+                     NUM_Q, cos, sin, qw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
     else:
         cache_slot = tl.load(cache_slot_ptr + t)
         if cache_slot >= 0:  # else a padding token: nothing to store
             at = (cache_slot // PAGE) * stride_cb + (cache_slot % PAGE) * stride_cs
             if g < Q_GROUPS + K_GROUPS:
-                _heads(t, (g - Q_GROUPS) * BLOCK_H, k_ptr, stride_kt, stride_kh, kc_ptr + at, stride_ch,
-                       NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, NORM, UNIT_OFFSET, True)
-            else:
-                _heads(t, (g - Q_GROUPS - K_GROUPS) * BLOCK_H, v_ptr, stride_vt, stride_vh, vc_ptr + at,
-                       stride_ch, NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H, BLOCK_HALF, False, False,
-                       False)
+                rotate_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + at, stride_ch,
+                             (g - Q_GROUPS) * BLOCK_H, NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H,
+                             BLOCK_HALF, NORM, UNIT_OFFSET, True)
+            else:  # v: copied
+                rotate_heads(v_ptr + t * stride_vt, stride_vh, vc_ptr + at, stride_ch,
+                             (g - Q_GROUPS - K_GROUPS) * BLOCK_H, NUM_K, cos, sin, kw_ptr, eps, HALF, BLOCK_H,
+                             BLOCK_HALF, False, False, False)
 
 
 def rotate_and_store(
