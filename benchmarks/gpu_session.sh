@@ -9,7 +9,7 @@
 #        adapter-load interference slot-load | train-moe train-quant train-gpt-oss train-breakdown train-profile |
 #        prefix structured | gpt-oss-mxfp4 qwen3-fp8 qwen3-w8a8 llama-awq breakdown-quant quant-launches |
 #        tune-int4 tune-fp8 gemms-int4 |
-#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words gate-up-beside router rotate-store |
+#        spec-cost | pdl | down-terms | mxfp4-scales int4-scales e2m1-words gate-up-beside router rotate-store align |
 #        routing (CPU only: the routing simulation) | replicas-one replicas-ray (ray[serve] installed) |
 #        tp (two GPUs or more) | deepseek breakdown-deepseek prefill-deepseek spec-deepseek
 # Model directories and random adapters are kept in $LORAPLEX_BENCH_CACHE
@@ -169,6 +169,13 @@ for step in $STEPS; do
         run router-graph${flag:+-gemm} 200 decode_breakdown --model gpt-oss-20b --quantization mxfp4 --batch 16 \
           --prompt-len 1600 --adapters 0 $flag --out "$OUT/router-graph${flag:+-gemm}.json" | grep -E "decode graph|rout"
       done ;;
+    align)  # RESULTS: "The alignment in parallel" (both forms alone, then gpt-oss-20b MXFP4's
+      # prompt step's kernels with 8 adapters)
+      run align 300 moe_kernels --sections align --tokens 16 64 256 512 1024 2048 8000 \
+        --out "$OUT/align.json" | grep -E "align by"
+      run align-prefill 200 prefill_kernels --model gpt-oss-20b --quantization mxfp4 --batch 5 --prompt-len 1600 \
+        --adapters 8 --expert-adapters --lora-targets q_proj k_proj v_proj o_proj experts \
+        --out "$OUT/align-prefill.json" | grep -E "kernels|align|_moe_gemm_kernel" ;;
     rotate-store)  # RESULTS: "Rotary and the KV write in one launch" (gpt-oss-20b MXFP4's decode
       # graphs, base and 16 adapters, one launch and two)
       for flag in "" --unfused-rotary; do

@@ -33,9 +33,13 @@ Sections:
                routers of distinct weights (more bytes than L2 holds, as in a decode step,
                where the experts' reads leave no router in L2).
 
+  align        the pair alignment (moe_align) by expert and by (slot, expert) (8 adapter
+               slots) at each token count, in its one-program and its parallel form, us
+               from CUDA graphs of 50 alignments; both forms' segments compared.
+
 Figures: benchmarks/RESULTS.md, "One MoE layer" (layer), "Expert adapters in decode"
 (decode-lora), "Prefill of quantized experts" (prefill-quant), "The router in one
-launch" (router).
+launch" (router), "The alignment in parallel" (align).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from pathlib import Path
 
 from benchmarks import harness
 
-SECTIONS = ("layer", "decode-lora", "prefill-quant", "router")
+SECTIONS = ("layer", "decode-lora", "prefill-quant", "router", "align")
 # prefill-quant: each bundled MoE config in its published quantized format.
 QUANT_FORMATS = {"gpt-oss-20b": "mxfp4", "qwen3-30b-a3b": "fp8"}
 
@@ -308,6 +312,46 @@ def router(name: str, tokens: list[int], routers: int = 400) -> list[dict]:
     return rows
 
 
+def align(name: str, tokens: list[int], calls: int = 50) -> list[dict]:
+    import torch
+
+    from loraplex.ops.triton import moe_align
+
+    shape = harness.model_shape(name)
+    e, k, slots = shape.experts, shape.top_k, 8
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows, default = [], moe_align.ONE_PROGRAM_MAX_PAIRS
+
+    def segments(al):  # (group, pair) of every placed pair, sorted: what both forms must agree on
+        ids = al.sorted_ids.view(-1, al.block_m)
+        group = al.block_groups[:, None].expand_as(ids).long()
+        placed = ids < al.num_pairs
+        return torch.sort(group[placed] * (al.num_pairs + 1) + ids[placed]).values
+
+    for t in tokens:
+        ids = torch.stack([torch.randperm(e, device="cuda", generator=gen)[:k] for _ in range(t)]).int()
+        token_slot = torch.randint(0, slots, (t,), device="cuda", generator=gen, dtype=torch.int32)
+        block_m = 16 if t * k <= 4 * e else 64
+        cases = {"experts": lambda: moe_align.align_experts(ids, e, block_m),
+                 "slot x expert": lambda: moe_align.align_lora(ids, token_slot, e, slots, block_m)}
+        for label, fn in cases.items():
+            row = dict(model=name, tokens=t, pairs=t * k, groups=label, block_m=block_m)
+            try:
+                outs = []
+                for form, limit in (("one program", 1 << 30), ("parallel", 0)):
+                    moe_align.ONE_PROGRAM_MAX_PAIRS = limit
+                    outs.append(segments(fn()))
+                    row[form] = harness.graph_ms(lambda: [fn() for _ in range(calls)], per=calls) * 1e3
+            finally:
+                moe_align.ONE_PROGRAM_MAX_PAIRS = default
+            row["same"] = bool(torch.equal(*outs))
+            rows.append(row)
+            print(f"{name} align by {label}, {t} tokens ({t * k} pairs, BLOCK_M {block_m}): one program "
+                  f"{row['one program']:.1f} us, parallel {row['parallel']:.1f} us, same segments: "
+                  f"{row['same']}", flush=True)
+    return rows
+
+
 def build_parser():
     p = harness.parser(__doc__)
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
@@ -352,6 +396,8 @@ def main(argv=None):
         results["router"] = []
         for name in harness.moe_configs():
             results["router"] += router(name, args.tokens)
+    if "align" in args.sections:
+        results["align"] = [row for name in harness.moe_configs() for row in align(name, args.tokens)]
     harness.write_json(args.out, results, args)
 
 

@@ -111,13 +111,18 @@ def check_alignment(al, keys: torch.Tensor, num_groups: int):
     assert seg == sorted(seg) and set(seg) == set(keys[keys >= 0].tolist())
 
 
+@pytest.mark.parametrize("form", ["one_program", "parallel"])
 @pytest.mark.parametrize("t,e,k,bm", [(1, 4, 1, 16), (3, 8, 3, 16), (17, 8, 2, 4), (40, 4, 3, 16)])
-def test_moe_align(t, e, k, bm, monkeypatch):
-    monkeypatch.setattr(moe_align, "CHUNK", 16)  # several chunks per loop of the kernel
+def test_moe_align(t, e, k, bm, form, monkeypatch):
+    # Chunks of 16 pairs: several per loop of the one program, or several programs.
+    monkeypatch.setattr(moe_align, "CHUNK", 16)
+    monkeypatch.setattr(moe_align, "ONE_PROGRAM_MAX_PAIRS", 1 << 20 if form == "one_program" else 0)
     gen = torch.Generator().manual_seed(t)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
     ids[ids == e - 1] = 0  # an expert no token hits
-    check_alignment(moe_align.align_experts(ids.to(DEVICE), e, bm), ids.flatten(), e)
+    stats = torch.tensor([5.0, 2.0], device=DEVICE)  # counts are added to what is there
+    check_alignment(moe_align.align_experts(ids.to(DEVICE), e, bm, stats), ids.flatten(), e)
+    assert stats.tolist() == [5.0 + ids.unique().numel(), 3.0]
     # By (slot, expert), 3 slots: tokens in slot -1 are left out.
     slots = torch.randint(-1, 3, (t + 2,), generator=gen, dtype=torch.int32)
     keys = torch.where(slots[:t, None] >= 0, slots[:t, None] * e + ids, -1).flatten()

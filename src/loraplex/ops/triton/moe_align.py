@@ -8,10 +8,16 @@ mask). Outputs have fixed sizes, from the worst case P + min(G, P) * (BLOCK_M - 
 nothing waits on the device, so the launch sequence can be captured in a CUDA graph;
 kernels skip blocks past `num_valid`.
 
-Why one Triton program: the same counting sort in torch ops is ~40 tiny launches, ~0.5 ms
-of host time per call and ~60 us of a graph-replayed decode step (H100); one program
-does it in a single launch. Pairs take their place in their group by atomic counters, so
-the order inside a group is arbitrary (each output row depends only on its own pair).
+Why Triton programs: the same counting sort in torch ops is ~40 tiny launches, ~0.5 ms
+of host time per call and ~60 us of a graph-replayed decode step (H100). Up to
+ONE_PROGRAM_MAX_PAIRS pairs (decode) one program does it in a single launch. Its chunks
+of pairs follow one another, each a few dependent trips to memory (ids, the counter's
+atomic, the scatter), so a prompt step's 32,000 pairs took 117 us a layer (320 us by
+(slot, expert)) in one program on an H200; past that size the pairs are counted in
+parallel, one chunk a program, the last program to finish (a ticket) lays out the
+segments, and a second launch scatters them (benchmarks/LOG.md, "The alignment in
+parallel for prompt steps"). Pairs take their place in their group by atomic counters,
+so the order inside a group is arbitrary (each output row depends only on its own pair).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import triton.language as tl
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 
 CHUNK, NUM_WARPS = 1024, 8
+# More pairs than this take the parallel form (_align_rank_kernel, _align_scatter_kernel).
+ONE_PROGRAM_MAX_PAIRS = 1024
 
 
 @dataclass
@@ -43,44 +51,42 @@ def _max(a, b):
 
 
 @triton.jit
-def _slot_key(expert, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK: tl.constexpr):
-    """Group slot * E + expert of pair i, or -1: no adapter, or one without expert weights."""
-    slot = tl.load(slots_ptr + i // top_k, mask=i < num_pairs, other=-1)
-    if HAS_MASK:
-        slot = tl.where(tl.load(slot_mask_ptr + slot, mask=slot >= 0, other=0) != 0, slot, -1)
-    return tl.where(slot >= 0, slot * num_experts + expert, -1)
+def _pair_keys(ids_ptr, slots_ptr, slot_mask_ptr, i, num_pairs, top_k, num_experts, HAS_SLOTS: tl.constexpr,
+               HAS_MASK: tl.constexpr):
+    """Group of pairs i, -1 for none (past num_pairs; by (slot, expert): slot * E + expert,
+    -1 where the token has no adapter or its adapter no expert weights)."""
+    key = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
+    if HAS_SLOTS:
+        slot = tl.load(slots_ptr + i // top_k, mask=i < num_pairs, other=-1)
+        if HAS_MASK:
+            slot = tl.where(tl.load(slot_mask_ptr + slot, mask=slot >= 0, other=0) != 0, slot, -1)
+        key = tl.where(slot >= 0, slot * num_experts + key, -1)
+    return key
 
 
-@triton.jit(do_not_specialize=["num_pairs", "top_k", "num_experts", "num_groups", "num_blocks"])
-def _moe_align_kernel(
-    ids_ptr, slots_ptr, slot_mask_ptr, counts_ptr, starts_ptr, ranks_ptr,
-    sorted_ids_ptr, block_groups_ptr, num_valid_ptr, stats_ptr,
-    num_pairs, top_k, num_experts, num_groups, num_blocks,
-    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
-    CHUNK: tl.constexpr, PDL: tl.constexpr = False,
-):
-    wait_for_inputs(PDL)
+@triton.jit
+def _fill(ptr, value, begin, end, CHUNK: tl.constexpr):
     offs = tl.arange(0, CHUNK)
-    # 0. Initialise: zero counters, sentinel everywhere, no group for any block.
-    for g0 in range(0, num_groups, CHUNK):
-        tl.store(counts_ptr + g0 + offs, 0, mask=g0 + offs < num_groups)
-    for s0 in range(0, num_blocks * BLOCK_M, CHUNK):
-        tl.store(sorted_ids_ptr + s0 + offs, num_pairs, mask=s0 + offs < num_blocks * BLOCK_M)
-    for b0 in range(0, num_blocks, CHUNK):
-        tl.store(block_groups_ptr + b0 + offs, -1, mask=b0 + offs < num_blocks)
-    tl.debug_barrier()
-    # 1. Each pair's group, and its rank in the group from the group's counter.
-    for i0 in range(0, num_pairs, CHUNK):
-        i = i0 + offs
-        key = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-        if HAS_SLOTS:  # group slot * E + expert; tokens without an adapter: none
-            key = _slot_key(key, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK)
-        valid = key >= 0
-        rank = tl.atomic_add(counts_ptr + key, 1, mask=valid)
-        tl.store(ranks_ptr + i, rank, mask=valid)
-    tl.debug_barrier()
-    # 2. Segment starts: exclusive prefix sum of the counts padded to BLOCK_M; each
-    # non-empty group marks its first block.
+    for s0 in range(begin, end, CHUNK):
+        tl.store(ptr + s0 + offs, value, mask=s0 + offs < end)
+
+
+@triton.jit
+def _rank_pairs(key, i, counts_ptr, ranks_ptr):
+    """Each pair's rank in its group, from the group's counter."""
+    valid = key >= 0
+    rank = tl.atomic_add(counts_ptr + key, 1, mask=valid)
+    tl.store(ranks_ptr + i, rank, mask=valid)
+
+
+@triton.jit
+def _lay_out_segments(counts_ptr, starts_ptr, block_groups_ptr, num_valid_ptr, stats_ptr, num_groups,
+                      num_blocks, BLOCK_M: tl.constexpr, HAS_STATS: tl.constexpr, CHUNK: tl.constexpr):
+    """From the final counts (block_groups all -1): segment starts, num_valid and each
+    block's group. One program."""
+    offs = tl.arange(0, CHUNK)
+    # Segment starts: exclusive prefix sum of the counts padded to BLOCK_M; each non-empty
+    # group marks its first block.
     total = 0
     hit = 0
     for g0 in range(0, num_groups, CHUNK):
@@ -97,7 +103,7 @@ def _moe_align_kernel(
         tl.atomic_add(stats_ptr, hit.to(tl.float32))
         tl.atomic_add(stats_ptr + 1, 1.0)
     tl.debug_barrier()
-    # 3. Blocks take the last mark at or before them (groups ascend with blocks).
+    # Blocks take the last mark at or before them (groups ascend with blocks).
     run = -1
     for b0 in range(0, num_blocks, CHUNK):
         b = b0 + offs
@@ -105,16 +111,87 @@ def _moe_align_kernel(
         mark = tl.maximum(tl.associative_scan(mark, 0, _max), run)
         run = tl.max(mark, 0)
         tl.store(block_groups_ptr + b, tl.where(b * BLOCK_M < total, mark, -1), mask=b < num_blocks)
-    # 4. Scatter pair ids to their places.
+
+
+@triton.jit
+def _scatter_pairs(key, i, starts_ptr, ranks_ptr, sorted_ids_ptr):
+    """Pair ids to their places: their segment's start plus their rank."""
+    valid = key >= 0
+    start = tl.load(starts_ptr + key, mask=valid, other=0, volatile=True)
+    rank = tl.load(ranks_ptr + i, mask=valid, other=0, volatile=True)
+    tl.store(sorted_ids_ptr + start + rank, i, mask=valid)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "top_k", "num_experts", "num_groups", "num_blocks"])
+def _moe_align_kernel(
+    ids_ptr, slots_ptr, slot_mask_ptr, counts_ptr, starts_ptr, ranks_ptr,
+    sorted_ids_ptr, block_groups_ptr, num_valid_ptr, stats_ptr,
+    num_pairs, top_k, num_experts, num_groups, num_blocks,
+    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The one-program form: every step over all the pairs, chunk after chunk."""
+    wait_for_inputs(PDL)
+    offs = tl.arange(0, CHUNK)
+    # Zero counters, sentinel everywhere, no group for any block.
+    _fill(counts_ptr, 0, 0, num_groups, CHUNK)
+    _fill(sorted_ids_ptr, num_pairs, 0, num_blocks * BLOCK_M, CHUNK)
+    _fill(block_groups_ptr, -1, 0, num_blocks, CHUNK)
+    tl.debug_barrier()
     for i0 in range(0, num_pairs, CHUNK):
         i = i0 + offs
-        key = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1).to(tl.int32)
-        if HAS_SLOTS:
-            key = _slot_key(key, i, slots_ptr, slot_mask_ptr, num_pairs, top_k, num_experts, HAS_MASK)
-        valid = key >= 0
-        start = tl.load(starts_ptr + key, mask=valid, other=0, volatile=True)
-        rank = tl.load(ranks_ptr + i, mask=valid, other=0, volatile=True)
-        tl.store(sorted_ids_ptr + start + rank, i, mask=valid)
+        key = _pair_keys(ids_ptr, slots_ptr, slot_mask_ptr, i, num_pairs, top_k, num_experts, HAS_SLOTS,
+                         HAS_MASK)
+        _rank_pairs(key, i, counts_ptr, ranks_ptr)
+    tl.debug_barrier()
+    _lay_out_segments(counts_ptr, starts_ptr, block_groups_ptr, num_valid_ptr, stats_ptr, num_groups,
+                      num_blocks, BLOCK_M, HAS_STATS, CHUNK)
+    for i0 in range(0, num_pairs, CHUNK):
+        i = i0 + offs
+        key = _pair_keys(ids_ptr, slots_ptr, slot_mask_ptr, i, num_pairs, top_k, num_experts, HAS_SLOTS,
+                         HAS_MASK)
+        _scatter_pairs(key, i, starts_ptr, ranks_ptr, sorted_ids_ptr)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "top_k", "num_experts", "num_groups", "num_blocks"])
+def _align_rank_kernel(
+    ids_ptr, slots_ptr, slot_mask_ptr, counts_ptr, ticket_ptr, starts_ptr, ranks_ptr, keys_ptr,
+    sorted_ids_ptr, block_groups_ptr, num_valid_ptr, stats_ptr,
+    num_pairs, top_k, num_experts, num_groups, num_blocks,
+    BLOCK_M: tl.constexpr, HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_STATS: tl.constexpr,
+    CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The parallel form's first launch, one chunk of pairs a program (counters and ticket
+    zero): each program writes its share of the sentinels, ranks its pairs and keeps
+    their groups; the last to take the ticket lays out the segments."""
+    wait_for_inputs(PDL)
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    size = num_blocks * BLOCK_M
+    share = tl.cdiv(size, programs)
+    _fill(sorted_ids_ptr, num_pairs, pid * share, tl.minimum((pid + 1) * share, size), CHUNK)
+    i = pid * CHUNK + tl.arange(0, CHUNK)
+    key = _pair_keys(ids_ptr, slots_ptr, slot_mask_ptr, i, num_pairs, top_k, num_experts, HAS_SLOTS, HAS_MASK)
+    tl.store(keys_ptr + i, key, mask=i < num_pairs)
+    _rank_pairs(key, i, counts_ptr, ranks_ptr)
+    tl.debug_barrier()  # every thread's atomics and stores issued before the ticket is taken
+    # acq_rel: the programs before published their counts; the last one sees them all.
+    ticket = tl.atomic_add(ticket_ptr, 1)
+    if ticket == programs - 1:
+        _fill(block_groups_ptr, -1, 0, num_blocks, CHUNK)
+        tl.debug_barrier()
+        _lay_out_segments(counts_ptr, starts_ptr, block_groups_ptr, num_valid_ptr, stats_ptr, num_groups,
+                          num_blocks, BLOCK_M, HAS_STATS, CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(keys_ptr, starts_ptr, ranks_ptr, sorted_ids_ptr, num_pairs, CHUNK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """The parallel form's second launch: each program scatters its chunk's pairs."""
+    wait_for_inputs(PDL)
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    key = tl.load(keys_ptr + i, mask=i < num_pairs, other=-1)
+    _scatter_pairs(key, i, starts_ptr, ranks_ptr, sorted_ids_ptr)
 
 
 def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts: int,
@@ -125,21 +202,34 @@ def _align(topk_ids: torch.Tensor, token_slot: torch.Tensor | None, num_experts:
     num_blocks = triton.cdiv(p + min(num_groups, p) * (block_m - 1), block_m)
     size = num_blocks * block_m
     i32 = dict(dtype=torch.int32, device=topk_ids.device)
-    work = torch.empty(2 * num_groups + p, **i32)  # counters, segment starts, ranks
     out = torch.empty(size + num_blocks + 1, **i32)
-    if p:
+    sorted_ids, block_groups, num_valid = out[:size], out[size:size + num_blocks], out[size + num_blocks:]
+    ids = topk_ids.contiguous()
+    slots = dict(HAS_SLOTS=token_slot is not None, HAS_MASK=slot_mask is not None)
+    if p and p <= ONE_PROGRAM_MAX_PAIRS:
+        work = torch.empty(2 * num_groups + p, **i32)  # counters, segment starts, ranks
         _moe_align_kernel[(1,)](
-            topk_ids.contiguous(), token_slot if token_slot is not None else work,
-            slot_mask if slot_mask is not None else work,
+            ids, token_slot if token_slot is not None else work, slot_mask if slot_mask is not None else work,
             work, work[num_groups:], work[2 * num_groups:],
-            out, out[size:], out[size + num_blocks:], stats if stats is not None else work,
+            sorted_ids, block_groups, num_valid, stats if stats is not None else work,
             p, top_k, num_experts, num_groups, num_blocks,
-            BLOCK_M=block_m, HAS_SLOTS=token_slot is not None, HAS_MASK=slot_mask is not None,
-            HAS_STATS=stats is not None, CHUNK=CHUNK, num_warps=NUM_WARPS,
-            **pdl(),
+            BLOCK_M=block_m, HAS_STATS=stats is not None, CHUNK=CHUNK, num_warps=NUM_WARPS, **slots, **pdl(),
         )
-    return Alignment(out[:size], out[size:size + num_blocks], out[size + num_blocks:], num_blocks,
-                     block_m, p)
+    elif p:
+        work = torch.empty(2 * num_groups + 1 + 2 * p, **i32)  # counters, ticket, starts, ranks, keys
+        work[:num_groups + 1].zero_()
+        counts, ticket, starts = work[:num_groups], work[num_groups:], work[num_groups + 1:]
+        ranks, keys = work[2 * num_groups + 1:], work[2 * num_groups + 1 + p:]
+        grid = (triton.cdiv(p, CHUNK),)
+        _align_rank_kernel[grid](
+            ids, token_slot if token_slot is not None else work, slot_mask if slot_mask is not None else work,
+            counts, ticket, starts, ranks, keys, sorted_ids, block_groups, num_valid,
+            stats if stats is not None else work, p, top_k, num_experts, num_groups, num_blocks,
+            BLOCK_M=block_m, HAS_STATS=stats is not None, CHUNK=CHUNK, num_warps=NUM_WARPS, **slots, **pdl(),
+        )
+        _align_scatter_kernel[grid](keys, starts, ranks, sorted_ids, p, CHUNK=CHUNK, num_warps=NUM_WARPS,
+                                    **pdl())
+    return Alignment(sorted_ids, block_groups, num_valid, num_blocks, block_m, p)
 
 
 def align_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int,
