@@ -25,9 +25,7 @@ Sections:
                at prompt-sized token counts: fused_experts with the quantized grouped
                GEMM (W decoded in registers) against the stacks dequantized into scratch
                then the bf16 GEMM (moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT picks),
-               MXFP4's swapped quantized GEMM (W's rows on wgmma's M side:
-               moe_configs.MXFP4_SWAPPED_PREFILL), the bf16 experts and the
-               dequantization alone; eager calls (CUDA events).
+               the bf16 experts and the dequantization alone; eager calls (CUDA events).
 
   router       the router of a decode step (--tokens up to 64): its GEMM (cuBLAS) then
                route_experts, against ops.route_tokens' one kernel at each of its configs
@@ -242,13 +240,6 @@ def prefill_quant(name: str, token_counts: list[int]) -> list[dict]:
             x = torch.randn(t, h, device=dev, generator=gen).to(dt)
             weights, ids = ops.route_experts(torch.randn(t, e, device=dev, generator=gen), k, True)
 
-            def swapped_ms(w1, w2):  # prompt-sized steps read as stored, W's rows on wgmma's M side
-                moe_configs.MXFP4_SWAPPED_PREFILL = True
-                try:
-                    return timed(w1, w2, 0)
-                finally:
-                    moe_configs.MXFP4_SWAPPED_PREFILL = False
-
             def timed(w1, w2, threshold):
                 thresholds[fmt] = threshold
                 return harness.events_ms(
@@ -256,13 +247,11 @@ def prefill_quant(name: str, token_counts: list[int]) -> list[dict]:
 
             row = dict(model=name, format=fmt, tokens=t, bf16_ms=timed(w_gu, w_d, saved),
                        quantized_gemm_ms=timed(q_gu, q_d, 1 << 30), dequantized_ms=timed(q_gu, q_d, 0),
-                       swapped_ms=swapped_ms(q_gu, q_d) if fmt == "mxfp4" else None,
                        dequantize_alone_ms=harness.events_ms(lambda: (dequantize(q_gu), dequantize(q_d)),
                                                              repeats=10))
             rows.append(row)
             print(f"{name} {fmt} T={t}: bf16 {row['bf16_ms']:.3f} ms, quantized GEMM "
-                  f"{row['quantized_gemm_ms']:.3f}, dequantized + bf16 GEMM {row['dequantized_ms']:.3f}, "
-                  f"swapped quantized GEMM {row['swapped_ms'] or 0:.3f} "
+                  f"{row['quantized_gemm_ms']:.3f}, dequantized + bf16 GEMM {row['dequantized_ms']:.3f} "
                   f"(dequantize alone {row['dequantize_alone_ms']:.3f})", flush=True)
     finally:
         thresholds[fmt] = saved

@@ -130,16 +130,15 @@ def check_quantized_experts(monkeypatch, fmt, t, e, k, h, i, act, bias, form, bl
         assert err <= REL_TOL[dtype], err
 
 
+@pytest.mark.parametrize("form", ["gemv", "gemm", "gemm-large-scale"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt,form", [(f, form) for f in ("mxfp4", "fp8") for form in ("gemv", "gemm",
-                                      "gemm-large-scale")] + [("mxfp4", "gemm-swapped")])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form):
     """One-hot activations read each expert's weight back through either kernel: equal,
     bit for bit, to dequantize's (every e2m1 code and a 2^-127 scale; fp8 scale blocks
     across K steps), rounded to nearest even in bf16 as dequantize rounds. bf16 MXFP4
     decodes in PTX on a GPU; with a scale above 128 (gemm-large-scale), and under the
-    interpreter, by hand (float32). gemm-swapped: the grouped GEMM with W's rows on the
-    MMA's M side (SWAP_W, prompt-sized steps)."""
+    interpreter, by hand (float32)."""
     from loraplex.ops.triton.moe_align import align_experts
     from loraplex.ops.triton.moe_gemm_quant import moe_gemm_quant, mxfp4_path
     from loraplex.ops.triton.moe_gemv_quant import moe_gemv_quant
@@ -154,8 +153,7 @@ def test_kernels_multiply_exactly_the_weights_dequantize_gives(fmt, dtype, form)
         w.scale[w.scale == 0] = 117  # the interpreter's float32 -> bf16 stores flush subnormals
     w = w.to(DEVICE)
     eye = torch.eye(k, dtype=dtype, device=DEVICE)
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2,
-               SWAP_W=int(form == "gemm-swapped"))
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
     want = dequantize(w)
     if fmt == "mxfp4" and dtype == torch.bfloat16:
         assert mxfp4_path(w) == ("hand" if DEVICE == "cpu" or form == "gemm-large-scale" else "ptx")
@@ -236,37 +234,6 @@ def test_prefill_steps_read_quantized_experts_dequantized(monkeypatch, fmt, with
     assert [moe_configs.weight_format(w_gu, t, 2) for t in (15, 16)] == ["mxfp4", None]
     # Warm-up compiles both sides of the switch.
     assert {15, 16} <= set(fused_moe.warm_up_token_counts(w_gu, w_d, 2, 24))
-
-
-@pytest.mark.parametrize("config", ["shipped", "small"])
-@pytest.mark.parametrize("with_lora", [None, "aligned"], ids=["base", "lora"])
-def test_prefill_steps_read_mxfp4_experts_swapped(monkeypatch, with_lora, config):
-    """With MXFP4_SWAPPED_PREFILL, steps of DEQUANTIZE_MIN_PAIRS_PER_EXPERT pairs an expert
-    or more read MXFP4 experts as stored, in the grouped GEMM with W's rows on the MMA's M
-    side (its shipped config, and small blocks: several of W's rows and of pairs, K off
-    the step), nothing dequantized, against the oracle; FP8 experts still dequantized."""
-    from loraplex.ops.triton import moe_gemm
-
-    monkeypatch.setattr(moe_configs, "MXFP4_SWAPPED_PREFILL", True)
-    monkeypatch.setitem(moe_configs.DEQUANTIZE_MIN_PAIRS_PER_EXPERT, "mxfp4", 8)
-    if config == "small":
-        monkeypatch.setattr(moe_gemm, "MXFP4_SWAPPED_CONFIG", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64,
-                                                                   GROUP_M=2, num_warps=4, num_stages=2,
-                                                                   SWAP_W=1))
-    configs = []
-    real_gemm = fused_moe.moe_gemm_quant
-    monkeypatch.setattr(fused_moe, "moe_gemm_quant",
-                        lambda *a, **kw: configs.append(a[5]) or real_gemm(*a, **kw))
-    monkeypatch.setattr(fused_moe, "dequantize_kernel", lambda w: pytest.fail("dequantized"))
-    e, h, i = 4, 96 if config == "small" else 64, 32
-    check_quantized_experts(monkeypatch, "mxfp4", 17, e, 2, h, i, "swiglu_oai", True, "gemm", "default",
-                            with_lora, torch.float32)  # 17 x 2 pairs over 4 experts: >= 8 each
-    assert configs and all(cfg == moe_gemm.MXFP4_SWAPPED_CONFIG for cfg in configs)
-    w = Mxfp4Weight((e, 2 * i, h), torch.bfloat16, device="meta")
-    assert [moe_configs.swapped(w, t, 2) for t in (15, 16)] == [False, True]
-    assert not moe_configs.dequantized(w, 16, 2)
-    fp8 = Fp8Weight((e, 2 * i, h), 32, torch.bfloat16, device="meta")
-    assert moe_configs.dequantized(fp8, 4096, 2) and not moe_configs.swapped(fp8, 4096, 2)
 
 
 def test_mxfp4_default_configs_keep_to_decode_sized_blocks():

@@ -49,33 +49,15 @@ def _device_name(index: int) -> str:
 # "Prefill of quantized experts"): gpt-oss-20b MXFP4 ~1,000 tokens (~128 pairs an
 # expert), Qwen3-30B-A3B FP8 ~4,600 (~290).
 DEQUANTIZE_MIN_PAIRS_PER_EXPERT = {"mxfp4": 128, "fp8": 320}
-# Such steps of MXFP4 experts read them as stored instead, in the grouped GEMM with W's
-# rows on the MMA's M side (moe_gemm_quant's SWAP_W: W from registers feeds wgmma, A's
-# tile from shared memory), with moe_gemm.MXFP4_SWAPPED_CONFIG. A switch (off: not yet
-# timed against the scratch; benchmarks/LOG.md, "MXFP4 prompt steps without the scratch").
-MXFP4_SWAPPED_PREFILL = False
-
-
-def _prompt_sized(w, num_tokens: int | None, top_k: int | None) -> str | None:
-    """The format of quantized experts w ("mxfp4", "fp8") in a step of num_tokens, top_k
-    experts each, of at least DEQUANTIZE_MIN_PAIRS_PER_EXPERT pairs an expert; else None."""
-    if num_tokens is None or top_k is None or w8a8(w, num_tokens):
-        return None
-    fmt = "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
-    big = fmt is not None and num_tokens * top_k >= DEQUANTIZE_MIN_PAIRS_PER_EXPERT[fmt] * w.shape[0]
-    return fmt if big else None
-
-
-def swapped(w, num_tokens: int | None, top_k: int | None) -> bool:
-    """Whether a step of num_tokens, top_k experts each, reads MXFP4 experts w in the
-    swapped grouped GEMM (MXFP4_SWAPPED_PREFILL)."""
-    return MXFP4_SWAPPED_PREFILL and _prompt_sized(w, num_tokens, top_k) == "mxfp4"
 
 
 def dequantized(w, num_tokens: int | None, top_k: int | None) -> bool:
     """Whether a step of num_tokens, top_k experts each, reads w (quantized experts) as
     dequantize(w)."""
-    return _prompt_sized(w, num_tokens, top_k) is not None and not swapped(w, num_tokens, top_k)
+    if num_tokens is None or top_k is None or w8a8(w, num_tokens):
+        return False
+    fmt = "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else None
+    return fmt is not None and num_tokens * top_k >= DEQUANTIZE_MIN_PAIRS_PER_EXPERT[fmt] * w.shape[0]
 
 
 def weight_format(w, num_tokens: int | None = None, top_k: int | None = None) -> str | None:

@@ -28,7 +28,7 @@ from loraplex.ops.reference.moe import SWIGLU_OAI_ALPHA
 from loraplex.ops.triton.gemm_tiles import col_tile, row_tile
 from loraplex.ops.triton.launch import pdl, wait_for_inputs
 from loraplex.ops.triton.moe_align import Alignment
-from loraplex.ops.triton.moe_configs import swapped, tuned_config, weight_format
+from loraplex.ops.triton.moe_configs import tuned_config, weight_format
 from loraplex.ops.triton.moe_epilogue import check_delta, operands_first, pair_operands, store_pairs
 from loraplex.ops.triton.precision import dot_settings
 
@@ -61,12 +61,6 @@ MXFP4_DEFAULT_CONFIGS = (
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)),
     (math.inf, dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)),
 )
-# Prompt-sized MXFP4 steps read as stored (moe_configs.swapped): 128 of W's rows, 64 on
-# the MMA's M side for each of two warpgroups (each decodes only its own: with 64 rows
-# both decoded them all, and every wgmma waited for the one before), 64 pairs on the
-# other; gate/up 170 registers, down 121, wgmma kept in flight (sm_90 code, Triton 3.9).
-MXFP4_SWAPPED_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
-                            SWAP_W=1)
 _FORMAT_DEFAULTS = {"w8a8": W8A8_DEFAULT_CONFIGS, "mxfp4": MXFP4_DEFAULT_CONFIGS}
 
 
@@ -78,8 +72,6 @@ def default_configs(fmt: str | None) -> tuple:
 
 def gemm_config(w: torch.Tensor, num_tokens: int, top_k: int) -> dict:
     """Tuned config for weight w [E, N, K] if a file exists, else the default table's."""
-    if swapped(w, num_tokens, top_k):
-        return dict(MXFP4_SWAPPED_CONFIG)
     tuned = tuned_config(w, num_tokens, top_k)
     if tuned is not None:
         return tuned

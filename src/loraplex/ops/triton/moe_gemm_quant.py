@@ -60,7 +60,6 @@ from loraplex.ops.triton.quant_tiles import (
     mxfp4_bf16_cols,
     mxfp4_cols,
     mxfp4_path,
-    mxfp4_rows,
     mxfp4_scale_pair,
     mxfp4_scales,
 )
@@ -84,8 +83,7 @@ def _moe_gemm_quant_kernel(
     ACTIVATION: tl.constexpr, ALPHA: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    MXFP4_PATH: tl.constexpr, PADDED_SCALES: tl.constexpr = False, SWAP_W: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    MXFP4_PATH: tl.constexpr, PADDED_SCALES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     # K_STORED: row length as stored (MXFP4: K / 2 bytes), specialized (divisibility) as such.
@@ -122,23 +120,7 @@ def _moe_gemm_quant_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if FORMAT == "mxfp4" and SWAP_W:  # W's rows on the MMA's M side, from registers (wgmma on
-        # Hopper), A's tile on the other side as loaded: prompt-sized pair blocks
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        PTX: tl.constexpr = MXFP4_PATH == "ptx"
-        for k0 in range(0, K, BLOCK_K):
-            a_t = tl.trans(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
-            w = mxfp4_rows(w_cols, s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk, BLOCK_K // 2,
-                           EVEN_K, PADDED_SCALES, PTX, a_ptr, UPCAST)
-            acc = tl.dot(w, a_t, acc, input_precision=DOT_PRECISION)
-            if FUSE_ACT:
-                w = mxfp4_rows(up_cols, up_s_cols, k0 // 2, K_STORED, n_mask, stride_wk, stride_sk,
-                               BLOCK_K // 2, EVEN_K, PADDED_SCALES, PTX, a_ptr, UPCAST)
-                acc_up = tl.dot(w, a_t, acc_up, input_precision=DOT_PRECISION)
-        acc = tl.trans(acc)
-        acc_up = tl.trans(acc_up)
-    elif FORMAT == "mxfp4":
+    if FORMAT == "mxfp4":
         for k0 in range(0, K, BLOCK_K):  # bytes k0 / 2 ..: byte j's place holds k = 2j and 2j + 1
             j0 = k0 // 2
             a_even, a_odd = even_odd(row_tile(a_rows, k0 + offs_k, K, m_mask, stride_ak, EVEN_K, UPCAST))
@@ -247,7 +229,6 @@ def moe_gemm_quant(
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         EVEN_K=k % block_k == 0, EVEN_N=n % cfg["BLOCK_N"] == 0, **dot_settings(w.dtype),
-        MXFP4_PATH=mxfp4_path(w), SWAP_W=bool(cfg.get("SWAP_W", 0)), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        MXFP4_PATH=mxfp4_path(w), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl(),
     )

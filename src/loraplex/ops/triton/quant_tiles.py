@@ -216,34 +216,6 @@ def mxfp4_bf16_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH: tl.conste
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
-@triton.jit
-def mxfp4_rows(cols, s_cols, j0, KH, col_mask, stride_k, stride_sk, BLOCK_KH: tl.constexpr,
-               EVEN_K: tl.constexpr, PADDED: tl.constexpr, PTX: tl.constexpr, like_ptr, UPCAST: tl.constexpr):
-    """W at k = 2 j0 .. 2 (j0 + BLOCK_KH), [N, 2 BLOCK_KH] in k order (not W.T): the
-    operand a GEMM puts on the MMA's M side (wgmma takes it from registers there). `cols`,
-    `s_cols`: [1, N] pointers to the rows and their scales, as mxfp4_cols takes. PTX: the
-    bytes loaded as rows, each thread's 4 bytes of a word together (K is their contiguous
-    dimension), decoded by _E2M1_WORD_ASM; else mxfp4_cols' tiles transposed. Byte j's
-    even and odd k (the decode's two outputs) joined in place give k order."""
-    if PTX:
-        n: tl.constexpr = col_mask.shape[0]
-        j = j0 + tl.arange(0, BLOCK_KH)
-        mask = col_mask[:, None] if EVEN_K else col_mask[:, None] & (j < KH)[None, :]
-        data = tl.load(tl.trans(cols) + j[None, :] * stride_k, mask=mask, other=0)
-        g = j0 // 16 + tl.arange(0, BLOCK_KH // 16)
-        s_mask = col_mask[:, None] if PADDED else col_mask[:, None] & (g * 16 < KH)[None, :]
-        scale = tl.load(tl.trans(s_cols) + g[None, :] * stride_sk, mask=s_mask, other=127)
-        mult = ((scale.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 1)
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, None], (n, BLOCK_KH // 16, 16)), (n, BLOCK_KH))
-        even, odd = tl.inline_asm_elementwise(_E2M1_WORD_ASM, "=r,=r,=r,=r,r,r,r", [data, mult],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        scale = mxfp4_scales(s_cols, j0, KH, col_mask, stride_sk, BLOCK_KH, PADDED)
-        lo, hi = mxfp4_cols(cols, scale, j0, KH, col_mask, stride_k, BLOCK_KH, EVEN_K, like_ptr, UPCAST)
-        even, odd = tl.trans(lo), tl.trans(hi)
-    return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * BLOCK_KH))
-
-
 # Two bytes -> the bf16x2 of their low (or high) nibbles' int4 weights, (q - zero) x
 # scale: a nibble put under bf16's exponent of 2^7 (0x4300 | q) reads as 128 + q, so
 # one bf16x2 subtraction of 128 + zero (exact: integers below 256) and one multiply by
