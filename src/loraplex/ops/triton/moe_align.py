@@ -12,12 +12,13 @@ Why Triton programs: the same counting sort in torch ops is ~40 tiny launches, ~
 of host time per call and ~60 us of a graph-replayed decode step (H100). Up to
 ONE_PROGRAM_MAX_PAIRS pairs (decode) one program does it in a single launch. Its chunks
 of pairs follow one another, each a few dependent trips to memory (ids, the counter's
-atomic, the scatter), so a prompt step's 32,000 pairs took 117 us a layer (320 us by
-(slot, expert)) in one program on an H200; past that size the pairs are counted in
-parallel, one chunk a program, the last program to finish (a ticket) lays out the
-segments, and a second launch scatters them (benchmarks/LOG.md, "The alignment in
-parallel for prompt steps"). Pairs take their place in their group by atomic counters,
-so the order inside a group is arbitrary (each output row depends only on its own pair).
+atomic, the scatter), so a prompt step's 32,000 pairs took 117 us a layer (~280 us by
+(slot, expert) with 8 adapters) in one program on an H200. Past that size the pairs are
+counted in parallel, one chunk a program, the last program to finish (a ticket) lays
+out the segments, and a second launch scatters them (benchmarks/LOG.md, "The alignment
+in parallel for prompt steps"). Pairs take their place in their group by atomic
+counters, so the order inside a group is arbitrary (each output row depends only on its
+own pair).
 """
 
 from __future__ import annotations
